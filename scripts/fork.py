@@ -380,6 +380,10 @@ def export():
     old = read_series()
     with tempfile.TemporaryDirectory() as tmp:
         names = export_to(TREE, Path(tmp))
+        empty = [n for n in names if b"\ndiff --git " not in (Path(tmp) / n).read_bytes()]
+        if empty:
+            raise ForkError(f"empty commit(s) would not apply ({', '.join(empty)}): drop them with "
+                            f"`git rebase -i {BASE_TAG}` in {TREE.name}/")
         changed = []
         for n in names:
             new = (Path(tmp) / n).read_bytes()
