@@ -59,6 +59,13 @@ DEEPSPEED_TEST_TIMEOUT = int(os.environ.get("DS_UNITTEST_TIMEOUT", "300"))
 # reports a closed peer within milliseconds; NCCL would block until killed).
 RELEASE_GRACE = float(os.environ.get("DS_UNITTEST_RELEASE_GRACE", "5"))
 OUTCOME_PREFIX = "[lockstep-harness] outcome:"
+# Imported once in the forkserver, so ranks start with them loaded (each costs seconds per rank
+# otherwise: DeepSpeed imports torch._dynamo lazily when it builds an engine). Missing ones are skipped.
+PRELOAD = [
+    "torch", "torch._dynamo", "torch.optim", "deepspeed", "deepspeed.comm", "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.muon.muon_optimizer", "unit.common"
+]
 
 # Messages by which backends report that ranks issued different collectives.
 MISMATCH_PATTERNS = (
@@ -116,7 +123,7 @@ class _Session:
         if _on_cpu():
             _prebuild_cpu_comm_op()
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "deepspeed", "deepspeed.comm", "unit.common"])
+        ctx.set_forkserver_preload(PRELOAD + os.environ.get("DS_TEST_PRELOAD", "").split())
         warmup = ctx.Process(target=_noop)  # start the server (and its imports) before any deadline runs
         warmup.start()
         warmup.join()

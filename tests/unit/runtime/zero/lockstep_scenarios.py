@@ -14,7 +14,7 @@ Used by tests/unit/runtime/zero/test_*lockstep*.py and by scripts/demo.py.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -25,23 +25,31 @@ HIDDEN = 8
 MICRO_BATCH = 2
 LR = 0.05
 SEED = 1234
+WEIGHT_DECAY = 0.01
 CLIP = 1.0  # global-norm clipping, so the norm collectives are part of every check
 
 
 class TinyLlava(torch.nn.Module):
-    """A text path every batch uses and an image projector used only on batches with an image."""
+    """A text path every batch uses, an image projector used only on batches with an image, and two
+    equal-size branches chosen by a per-batch route ('a', 'b', 'ab' or 'ba': the order they run in)."""
 
     def __init__(self, hidden=HIDDEN):
         super().__init__()
         self.embed = torch.nn.Linear(hidden, hidden)
         self.image_proj = torch.nn.Linear(hidden, hidden)
-        self.block = torch.nn.Linear(hidden, hidden)
-        self.head = torch.nn.Linear(hidden, 1)
+        self.branch_a = torch.nn.Linear(hidden, hidden)
+        self.branch_b = torch.nn.Linear(hidden, hidden)
+        self.block = torch.nn.Linear(hidden, 2 * hidden)
+        self.head = torch.nn.Linear(2 * hidden, 1)
 
-    def forward(self, x, image):
+    def forward(self, x, image=None, route="ab"):
+        if self.embed.weight.requires_grad is False:
+            x = x.detach().requires_grad_(True)  # like HF's enable_input_require_grads() on a frozen LLM
         h = self.embed(x)
         if image is not None:
             h = h + self.image_proj(image)
+        for name in route:
+            h = h + torch.tanh((self.branch_a if name == "a" else self.branch_b)(h))
         h = torch.tanh(self.block(torch.tanh(h)))
         return self.head(h).pow(2).mean()
 
@@ -50,28 +58,71 @@ class TinyLlava(torch.nn.Module):
 class Scenario:
     name: str
     description: str
-    uses_image: Callable[[int, int, int], bool]  # (rank, step, micro_step) -> does this batch have an image?
+    # (rank, step, micro_step) -> (does the batch have an image, branch route)
+    usage: Callable[[int, int, int], Tuple[bool, str]]
+    frozen: Tuple[str, ...] = ()  # parameter name prefixes frozen before deepspeed.initialize
+    param_groups: str = "one"  # how the optimizer's param groups are cut (see param_groups())
 
 
 SCENARIOS: Dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario("uniform", "every rank sees an image on every batch", lambda rank, step, micro: True),
+        Scenario("uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab")),
+        Scenario("llava_4933", "#4933: only rank 0 gets image batches; the projector is unused elsewhere",
+                 lambda r, s, m: (r == 0, "ab")),
+        Scenario("llava_per_micro_step", "image batches change with rank and micro-step",
+                 lambda r, s, m: ((r + s + m) % 2 == 0, "ab")),
+        Scenario("order_divergent", "odd ranks run the same two branches in the opposite order",
+                 lambda r, s, m: (True, "ab" if r % 2 == 0 else "ba")),
+        Scenario("equal_size_branches", "even ranks use branch a, odd ranks the equal-size branch b",
+                 lambda r, s, m: (True, "a" if r % 2 == 0 else "b")),
+        Scenario("no_hook_rank",
+                 "frozen LLM, only the projector trains; odd ranks see text only, so no gradient hook fires there",
+                 lambda r, s, m: (r % 2 == 0, ""),
+                 frozen=("embed", "branch_a", "branch_b", "block", "head")),
+        Scenario("shape_7991",
+                 "#7991: LLaVA-style decay/no-decay x projector/other groups plus a tiny group (high ranks own "
+                 "only padding); at step 9 two ranks take a branch the others skip",
+                 lambda r, s, m: (True, "ab" if (s == 9 and r in (1, 2)) else "a"),
+                 param_groups="llava_7991"),
     ]
 }
 
 
-def batch(rank, step, micro, dtype=torch.float32, uses_image=True):
+def param_groups(model, style):
+    """Optimizer param groups: one group, or LLaVA-style (#7991)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if style == "one":
+        return [{"params": [p for _, p in named]}]
+    assert style == "llava_7991"
+    tiny = [p for n, p in named if n == "head.bias"]  # 1 element: ranks >= 1 own only padding
+    rest = [(n, p) for n, p in named if n != "head.bias"]
+    groups = []
+    for projector in (True, False):
+        for decay in (True, False):
+            ps = [p for n, p in rest if n.startswith("image_proj") == projector and (p.dim() > 1) == decay]
+            groups.append({"params": ps, "weight_decay": WEIGHT_DECAY if decay else 0.0})
+    groups.append({"params": tiny, "weight_decay": 0.0})
+    return groups
+
+
+def batch(scenario, rank, step, micro, dtype=torch.float32):
+    """The inputs of one micro-batch: (x, image or None, route)."""
+    has_image, route = scenario.usage(rank, step, micro)
     g = torch.Generator().manual_seed(SEED + 1000 * rank + 10 * step + micro)
     x = torch.randn(MICRO_BATCH, HIDDEN, generator=g)
     image = torch.randn(MICRO_BATCH, HIDDEN, generator=g)
-    return x.to(dtype), (image.to(dtype) if uses_image else None)
+    return x.to(dtype), (image.to(dtype) if has_image else None), route
 
 
-def zero_config(stage, gradient_accumulation_steps=1, **zero_overrides):
+def zero_config(stage, gradient_accumulation_steps=1, bf16=False, **zero_overrides):
     zero = {"stage": stage}
     zero.update(zero_overrides)
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    if zero.get("offload_optimizer"):
+        extra["zero_force_ds_cpu_optimizer"] = False  # keep the plain torch optimizer of the reference
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "zero_optimization": zero,
@@ -82,15 +133,22 @@ def zero_config(stage, gradient_accumulation_steps=1, **zero_overrides):
     }
 
 
-def make_model():
+def make_model(scenario):
     torch.manual_seed(SEED)
-    return TinyLlava()
+    model = TinyLlava()
+    for name, p in model.named_parameters():
+        if name.startswith(scenario.frozen):
+            p.requires_grad_(False)
+    return model
 
 
-def make_optimizer(params):
+def make_optimizer(model, scenario):
     # SGD with momentum is linear in the gradient, so float noise stays float noise. (Adam's first
     # step is lr * sign(g): a near-zero gradient element flips by 2 * lr on rounding alone.)
-    return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    return torch.optim.SGD(param_groups(model, scenario.param_groups),
+                           lr=LR,
+                           momentum=0.9,
+                           weight_decay=WEIGHT_DECAY)
 
 
 def _full_params(model, stage):
@@ -105,15 +163,14 @@ def train_deepspeed(scenario: Scenario, config, steps):
     """Train on this rank; returns {name: full parameter} after `steps` optimizer steps."""
     rank = dist.get_rank()
     stage = config["zero_optimization"]["stage"]
-    model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           optimizer=make_optimizer(model.parameters()),
-                                           config=config)
+    model = make_model(scenario)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, scenario), config=config)
+    dtype = next(p for p in engine.module.parameters()).dtype
     gas = engine.gradient_accumulation_steps()
     for step in range(steps):
         for micro in range(gas):
-            x, image = batch(rank, step, micro, uses_image=scenario.uses_image(rank, step, micro))
-            loss = engine(x, image)
+            x, image, route = batch(scenario, rank, step, micro, dtype=dtype)
+            loss = engine(x, image, route)
             engine.backward(loss)
             engine.step()
     return _full_params(engine.module, stage)
@@ -122,15 +179,15 @@ def train_deepspeed(scenario: Scenario, config, steps):
 def train_reference(scenario: Scenario, world_size, steps, gradient_accumulation_steps=1):
     """Plain PyTorch, one process: per-rank gradients averaged over ranks (zeros where absent), clipped
     by global norm, then the same optimizer."""
-    model = make_model()
-    opt = make_optimizer(model.parameters())
-    params = list(model.parameters())
+    model = make_model(scenario)
+    opt = make_optimizer(model, scenario)
+    params = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         total = [torch.zeros_like(p) for p in params]
         for rank in range(world_size):
             for micro in range(gradient_accumulation_steps):
-                x, image = batch(rank, step, micro, uses_image=scenario.uses_image(rank, step, micro))
-                loss = model(x, image) / gradient_accumulation_steps
+                x, image, route = batch(scenario, rank, step, micro)
+                loss = model(x, image, route) / gradient_accumulation_steps
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 for t, g in zip(total, grads):
                     if g is not None:
@@ -147,6 +204,12 @@ def check_lockstep(scenario_name, config, steps, atol=1e-6, rtol=1e-5):
     """Train with DeepSpeed on every rank and check both oracles; every rank raises together.
 
     Returns a summary dict (used by the demo)."""
+    if "bf16" in config and config["bf16"].get("enabled"):
+        atol, rtol = 6e-3, 1e-2  # bf16 model weights round at ~2e-3; a lost gradient moves them by ~LR * |g|
+    return _check(scenario_name, config, steps, atol, rtol)
+
+
+def _check(scenario_name, config, steps, atol, rtol):
     scenario = SCENARIOS[scenario_name]
     world_size = dist.get_world_size()
     mine = train_deepspeed(scenario, config, steps)
@@ -156,8 +219,8 @@ def check_lockstep(scenario_name, config, steps, atol=1e-6, rtol=1e-5):
     dist.all_gather(gathered, flat)
     differing = [r for r in range(world_size) if not torch.equal(gathered[r], gathered[0])]
     ref = train_reference(scenario, world_size, steps, config.get("gradient_accumulation_steps", 1))
-    worst = {n: (mine[n] - ref[n]).abs().max().item() for n in names}
-    far = {n: d for n, d in worst.items() if not torch.allclose(mine[n], ref[n], atol=atol, rtol=rtol)}
+    worst = {n: (mine[n] - ref[n].float()).abs().max().item() for n in names}
+    far = {n: d for n, d in worst.items() if not torch.allclose(mine[n], ref[n].float(), atol=atol, rtol=rtol)}
     # agree on the verdict so that all ranks raise (or pass) together
     bad = torch.tensor([float(bool(far))])
     dist.all_reduce(bad)
@@ -170,3 +233,20 @@ def check_lockstep(scenario_name, config, steps, atol=1e-6, rtol=1e-5):
     assert bad.item() == 0, (f"parameters differ from the plain-PyTorch reference on {int(bad.item())} rank(s); "
                              f"here: {far}")
     return summary
+
+
+# ZeRO-1/2 configurations every lockstep scenario runs under: overlap_comm x contiguous_gradients x
+# reduce_scatter, then multi-rank bucket all-reduce off, small buckets (several buckets, and every weight
+# larger than the bucket), CPU offload, bf16 and gradient accumulation.
+ZERO12_CONFIGS = {
+    f"overlap{int(o)}-contig{int(c)}-rs{int(r)}": dict(overlap_comm=o, contiguous_gradients=c, reduce_scatter=r)
+    for o in (False, True) for c in (False, True) for r in (False, True)
+}
+ZERO12_CONFIGS.update({
+    "rs0-multirank0": dict(reduce_scatter=False, use_multi_rank_bucket_allreduce=False),
+    "bucket100": dict(reduce_bucket_size=100, overlap_comm=True),
+    "bucket40-xl": dict(reduce_bucket_size=40),
+    "offload": dict(offload_optimizer={"device": "cpu"}),
+    "bf16": dict(bf16=True),
+    "gas2": dict(gradient_accumulation_steps=2, overlap_comm=True),
+})

@@ -1,0 +1,48 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""ZeRO-1/2 gradient reduction must issue the same collectives on every rank whatever each rank's data
+did (#4933, #7991, #2343). Each case trains on every rank and checks that every rank finishes within the
+deadline, that the parameters are identical across ranks and that they equal a plain-PyTorch reference
+in which a gradient missing on a rank counts as zero in the average (lockstep_scenarios.py)."""
+
+import pytest
+
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import ZERO12_CONFIGS, check_lockstep, zero_config
+
+DIVERGENT = ["llava_4933", "llava_per_micro_step", "order_divergent", "equal_size_branches", "no_hook_rank"]
+
+
+def _config(stage, name):
+    options = dict(ZERO12_CONFIGS[name])
+    return zero_config(stage,
+                       gradient_accumulation_steps=options.pop("gradient_accumulation_steps", 1),
+                       bf16=options.pop("bf16", False),
+                       **options)
+
+
+@pytest.mark.parametrize("config", sorted(ZERO12_CONFIGS))
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("scenario", DIVERGENT)
+class TestRankDivergentUsage(DistributedTest):
+    world_size = 2
+    exec_timeout = 45
+
+    def test_lockstep(self, scenario, stage, config):
+        check_lockstep(scenario, _config(stage, config), steps=3)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+class TestShape7991(DistributedTest):
+    """LLaVA-style optimizer groups plus a group so small that most ranks own only padding, and a branch
+    taken by two ranks only at step 9 (the shape of #7991, at 4 ranks; 16 under -m slow)."""
+    world_size = 4
+    exec_timeout = 120
+
+    def test_lockstep(self, stage):
+        check_lockstep("shape_7991", zero_config(stage, overlap_comm=True, reduce_bucket_size=100), steps=10)
+
+    @pytest.mark.slow
+    @pytest.mark.world_size(16)
+    def test_lockstep_16_ranks(self, stage):
+        check_lockstep("shape_7991", zero_config(stage, overlap_comm=True, reduce_bucket_size=100), steps=10)
