@@ -29,6 +29,9 @@ def run_scenario(scenario, stage, steps, gas, out):
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(summary))
 
 
+DEFAULT_SCENARIOS = ["uniform", "llava_4933"]
+
+
 def main():
     import tempfile
     import json
@@ -37,19 +40,34 @@ def main():
     from unit.runtime.zero.lockstep_scenarios import SCENARIOS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append", help="default: all")
-    parser.add_argument("--stage", type=int, choices=[1, 2, 3], action="append", help="default: 1 2 3")
+    parser.add_argument("--scenario",
+                        choices=sorted(SCENARIOS),
+                        action="append",
+                        help="default: " + " ".join(DEFAULT_SCENARIOS))
+    parser.add_argument("--stage",
+                        type=int,
+                        choices=[1, 2, 3],
+                        action="append",
+                        help="default: every stage the fork keeps in lockstep for the scenario")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--deadline", type=float, default=120, help="seconds before a run counts as hung")
+    parser.add_argument("--shape-7991",
+                        action="store_true",
+                        help="the #7991 shape instead: 16 ranks, LLaVA-style param groups, a tiny group, "
+                        "a branch two ranks take at step 9 (10 steps; a few minutes on 2 cores)")
     args = parser.parse_args()
+    if args.shape_7991:
+        args.scenario, args.world_size, args.steps = ["shape_7991"], 16, 10
+        args.deadline = max(args.deadline, 600)
 
     print(f"deepspeed {deepspeed.__version__} from {Path(deepspeed.__file__).parent}")
     print(f"{args.world_size} CPU ranks (gloo), {args.steps} steps, gradient accumulation {args.gas}\n")
     rows, failures = [], 0
-    for name in args.scenario or sorted(SCENARIOS):
-        for stage in args.stage or [1, 2, 3]:
+    for name in args.scenario or DEFAULT_SCENARIOS:
+        print(f"{name}: {SCENARIOS[name].description}")
+        for stage in args.stage or SCENARIOS[name].stages:
             out = tempfile.mkdtemp(prefix="lockstep-demo-")
             result = launch(run_scenario,
                             args.world_size,
@@ -64,7 +82,7 @@ def main():
                 failures += 1
                 verdict = f"FAILED ({result.outcome})"
             rows.append((name, f"ZeRO-{stage}", f"{finished}/{args.world_size}", f"{result.elapsed:.1f}s", verdict))
-            print(f"  {name:<12} ZeRO-{stage}  ranks finished {finished}/{args.world_size}  {verdict}", flush=True)
+            print(f"  ZeRO-{stage}  ranks finished {finished}/{args.world_size}  {verdict}", flush=True)
             if result.outcome != "passed":
                 print("\n".join("      " + line for line in result.report().splitlines()[:12]))
     print()

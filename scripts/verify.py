@@ -10,6 +10,7 @@ The table shows whether a test reproduces a bug upstream and passes on the fork.
 """
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -101,8 +102,14 @@ def _test_id(case):
     return "::".join([parts[module] + ".py", *parts[module + 1:], case.get("name")])
 
 
-def run_side(python, args, label):
-    """Run pytest with `python`; return {test id: outcome}."""
+def _digest_name(test_id):
+    """The name lockstep_scenarios._record_digest gives a test's parameter digest."""
+    return re.sub(r"[^A-Za-z0-9_.\[\]-]+", "_", test_id.split("::", 1)[-1]) + ".sha256"
+
+
+def run_side(python, args, label, record_dir):
+    """Run pytest with `python`; return {test id: outcome}. Tests that record a digest of their final
+    parameters write it to record_dir."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={xml}"]
@@ -112,7 +119,9 @@ def run_side(python, args, label):
         if args.markexpr:
             cmd += ["-m", args.markexpr]
         print(f"verify: running against {label} ...", file=sys.stderr)
-        env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+        env = dict(os.environ,
+                   DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+                   LOCKSTEP_RECORD_DIR=str(record_dir))
         subprocess.run(cmd, cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not xml.exists():
             raise fork.ForkError(f"pytest produced no report against {label}")
@@ -120,17 +129,28 @@ def run_side(python, args, label):
 
 
 def table(rows, up_label, fork_label):
+    """rows: (test, upstream outcome, fork outcome, same numbers)."""
     width = max([len(r[0]) for r in rows] + [4])
-    lines = [f"| {'test':<{width}} | {up_label} | {fork_label} | verdict |", f"|{'-' * (width + 2)}|---|---|---|"]
-    for name, up, mine in rows:
+    lines = [
+        f"| {'test':<{width}} | {up_label} | {fork_label} | same numbers | verdict |",
+        f"|{'-' * (width + 2)}|---|---|---|---|"
+    ]
+    for name, up, mine, same in rows:
         if mine not in ("pass", "skip"):
             verdict = "FORK FAILS"
         elif up not in ("pass", "skip"):
             verdict = "reproduced, fixed"
         else:
             verdict = "passes on both"
-        lines.append(f"| {name:<{width}} | {up} | {mine} | {verdict} |")
+        lines.append(f"| {name:<{width}} | {up} | {mine} | {same} | {verdict} |")
     return "\n".join(lines)
+
+
+def _same_numbers(name, up, mine, up_dir, fork_dir):
+    a, b = Path(up_dir, _digest_name(name)), Path(fork_dir, _digest_name(name))
+    if up != "pass" or mine != "pass" or not a.exists() or not b.exists():
+        return "-"
+    return "identical" if a.read_text() == b.read_text() else "differ"
 
 
 def run(args):
@@ -144,15 +164,18 @@ def run(args):
         raise fork.ForkError(f"{up_python} has the fork ({up_version}), not vanilla upstream")
     if "+lockstep" not in fork_version:
         raise fork.ForkError(f"{fork_python} has deepspeed {fork_version}, not the fork")
-    up = run_side(up_python, args, f"deepspeed {up_version}")
-    mine = run_side(fork_python, args, f"deepspeed {fork_version}")
-    rows = [(name, up.get(name, "-"), mine.get(name, "-")) for name in sorted(set(up) | set(mine))]
+    with tempfile.TemporaryDirectory() as up_dir, tempfile.TemporaryDirectory() as fork_dir:
+        up = run_side(up_python, args, f"deepspeed {up_version}", up_dir)
+        mine = run_side(fork_python, args, f"deepspeed {fork_version}", fork_dir)
+        rows = [(name, up.get(name, "-"), mine.get(name, "-"),
+                 _same_numbers(name, up.get(name), mine.get(name), up_dir, fork_dir))
+                for name in sorted(set(up) | set(mine))]
     text = table(rows, f"upstream {up_version}", f"fork {fork_version}")
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
-    fork_ok = all(m in ("pass", "skip") for _, _, m in rows)
-    reproduced = all(u not in ("pass", "skip", "-") for _, u, _ in rows)
+    fork_ok = all(m in ("pass", "skip") for _, _, m, _ in rows)
+    reproduced = all(u not in ("pass", "skip", "-") for _, u, _, _ in rows)
     if not rows:
         print("verify: no tests ran", file=sys.stderr)
         return 1

@@ -329,7 +329,10 @@ def launch(func: Callable,
     backend = backend or get_accelerator().communication_backend_name()
     port = _free_port()
     workdir = Path(tempfile.mkdtemp(prefix="ds-dist-"))
-    env = {
+    # Ranks get this process's environment as it is now (forkserver children would otherwise see the
+    # server's, frozen at its start), plus what DeepSpeed's launcher would set.
+    env = dict(os.environ)
+    env.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world_size),
@@ -338,7 +341,7 @@ def launch(func: Callable,
         "CROSS_SIZE": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCH_EXTENSIONS_DIR": _Session.extensions_dir,
-    }
+    })
     procs, outcomes = [], [RankOutcome(rank=r) for r in range(world_size)]
     start = time.time()
     for rank in range(world_size):

@@ -13,10 +13,15 @@ or reduced twice moves the parameters by about the learning rate, far above the 
 Used by tests/unit/runtime/zero/test_*lockstep*.py and by scripts/demo.py.
 """
 
+import hashlib
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import torch
+import torch.utils.checkpoint
 
 import deepspeed
 import deepspeed.comm as dist
@@ -33,8 +38,9 @@ class TinyLlava(torch.nn.Module):
     """A text path every batch uses, an image projector used only on batches with an image, and two
     equal-size branches chosen by a per-batch route ('a', 'b', 'ab' or 'ba': the order they run in)."""
 
-    def __init__(self, hidden=HIDDEN):
+    def __init__(self, hidden=HIDDEN, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint  # run `block` under reentrant activation checkpointing
         self.embed = torch.nn.Linear(hidden, hidden)
         self.image_proj = torch.nn.Linear(hidden, hidden)
         self.branch_a = torch.nn.Linear(hidden, hidden)
@@ -50,8 +56,14 @@ class TinyLlava(torch.nn.Module):
             h = h + self.image_proj(image)
         for name in route:
             h = h + torch.tanh((self.branch_a if name == "a" else self.branch_b)(h))
-        h = torch.tanh(self.block(torch.tanh(h)))
+        if self.checkpoint:
+            h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=True)
+        else:
+            h = self._block(h)
         return self.head(h).pow(2).mean()
+
+    def _block(self, h):
+        return torch.tanh(self.block(torch.tanh(h)))
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,14 @@ class Scenario:
     usage: Callable[[int, int, int], Tuple[bool, str]]
     frozen: Tuple[str, ...] = ()  # parameter name prefixes frozen before deepspeed.initialize
     param_groups: str = "one"  # how the optimizer's param groups are cut (see param_groups())
+    stages: Tuple[int, ...] = (1, 2)  # ZeRO stages the fork keeps in lockstep for it (ZeRO-3: its own work)
 
 
 SCENARIOS: Dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario("uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab")),
+        Scenario("uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab"),
+                 stages=(1, 2, 3)),
         Scenario("llava_4933", "#4933: only rank 0 gets image batches; the projector is unused elsewhere",
                  lambda r, s, m: (r == 0, "ab")),
         Scenario("llava_per_micro_step", "image batches change with rank and micro-step",
@@ -133,9 +147,9 @@ def zero_config(stage, gradient_accumulation_steps=1, bf16=False, **zero_overrid
     }
 
 
-def make_model(scenario):
+def make_model(scenario, checkpoint=False):
     torch.manual_seed(SEED)
-    model = TinyLlava()
+    model = TinyLlava(checkpoint=checkpoint)
     for name, p in model.named_parameters():
         if name.startswith(scenario.frozen):
             p.requires_grad_(False)
@@ -159,11 +173,14 @@ def _full_params(model, stage):
     return {n: p.detach().float().clone() for n, p in params}
 
 
-def train_deepspeed(scenario: Scenario, config, steps):
-    """Train on this rank; returns {name: full parameter} after `steps` optimizer steps."""
+def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkpoint=False):
+    """Train on this rank; returns {name: full parameter} after `steps` optimizer steps.
+
+    backward: "engine" (engine.backward(loss)) or "torch" (PyTorch-style loss.backward()).
+    checkpoint: run the model's block under reentrant activation checkpointing."""
     rank = dist.get_rank()
     stage = config["zero_optimization"]["stage"]
-    model = make_model(scenario)
+    model = make_model(scenario, checkpoint=checkpoint)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, scenario), config=config)
     dtype = next(p for p in engine.module.parameters()).dtype
     gas = engine.gradient_accumulation_steps()
@@ -171,7 +188,10 @@ def train_deepspeed(scenario: Scenario, config, steps):
         for micro in range(gas):
             x, image, route = batch(scenario, rank, step, micro, dtype=dtype)
             loss = engine(x, image, route)
-            engine.backward(loss)
+            if backward == "torch":
+                loss.backward()
+            else:
+                engine.backward(loss)
             engine.step()
     return _full_params(engine.module, stage)
 
@@ -200,19 +220,15 @@ def train_reference(scenario: Scenario, world_size, steps, gradient_accumulation
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def check_lockstep(scenario_name, config, steps, atol=1e-6, rtol=1e-5):
+def check_lockstep(scenario_name, config, steps, backward="engine", checkpoint=False, atol=1e-6, rtol=1e-5):
     """Train with DeepSpeed on every rank and check both oracles; every rank raises together.
 
     Returns a summary dict (used by the demo)."""
     if "bf16" in config and config["bf16"].get("enabled"):
         atol, rtol = 6e-3, 1e-2  # bf16 model weights round at ~2e-3; a lost gradient moves them by ~LR * |g|
-    return _check(scenario_name, config, steps, atol, rtol)
-
-
-def _check(scenario_name, config, steps, atol, rtol):
     scenario = SCENARIOS[scenario_name]
     world_size = dist.get_world_size()
-    mine = train_deepspeed(scenario, config, steps)
+    mine = train_deepspeed(scenario, config, steps, backward=backward, checkpoint=checkpoint)
     names = sorted(mine)
     flat = torch.cat([mine[n].flatten() for n in names])
     gathered = [torch.zeros_like(flat) for _ in range(world_size)]
@@ -229,6 +245,7 @@ def _check(scenario_name, config, steps, atol, rtol):
         "identical_across_ranks": not differing,
         "max_abs_diff_vs_reference": max(worst.values()),
     }
+    _record_digest(flat)
     assert not differing, f"parameters differ from rank 0's on ranks {differing}"
     assert bad.item() == 0, (f"parameters differ from the plain-PyTorch reference on {int(bad.item())} rank(s); "
                              f"here: {far}")
@@ -250,3 +267,14 @@ ZERO12_CONFIGS.update({
     "bf16": dict(bf16=True),
     "gas2": dict(gradient_accumulation_steps=2, overlap_comm=True),
 })
+
+
+def _record_digest(flat):
+    """With $LOCKSTEP_RECORD_DIR set (scripts/fork.py verify does), rank 0 writes a digest of the final
+    parameters per test, so that runs against upstream and the fork can be compared bit for bit."""
+    out = os.environ.get("LOCKSTEP_RECORD_DIR")
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if not out or not test or dist.get_rank() != 0:
+        return
+    name = re.sub(r"[^A-Za-z0-9_.\[\]-]+", "_", test.split("::", 1)[-1])
+    Path(out, name + ".sha256").write_text(hashlib.sha256(flat.numpy().tobytes()).hexdigest())

@@ -32,6 +32,21 @@ class TestRankDivergentUsage(DistributedTest):
         check_lockstep(scenario, _config(stage, config), steps=3)
 
 
+@pytest.mark.parametrize("backward", ["engine", "torch"])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "reentrant-ckpt"])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("scenario", ["llava_4933", "no_hook_rank"])
+class TestEpilogueTrigger(DistributedTest):
+    """The zero-filling epilogue must run once, at the end of backward, on every rank: with
+    engine.backward and with PyTorch-style loss.backward(), with and without reentrant checkpointing."""
+    world_size = 2
+    exec_timeout = 45
+
+    def test_lockstep(self, scenario, stage, checkpoint, backward):
+        config = zero_config(stage, overlap_comm=True, reduce_bucket_size=100, gradient_accumulation_steps=2)
+        check_lockstep(scenario, config, steps=3, backward=backward, checkpoint=checkpoint)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 class TestShape7991(DistributedTest):
     """LLaVA-style optimizer groups plus a group so small that most ranks own only padding, and a branch
