@@ -90,8 +90,9 @@ def main():
     print("|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"\n{len(rows) - failures} of {len(rows)} runs: every rank finished {args.steps} steps with matching parameters"
-          if not failures else f"\n{failures} of {len(rows)} runs FAILED")
+    print(
+        f"\n{len(rows) - failures} of {len(rows)} runs: every rank finished {args.steps} steps with matching parameters"
+        if not failures else f"\n{failures} of {len(rows)} runs FAILED")
     return 1 if failures else 0
 
 

@@ -45,10 +45,9 @@ def upstream_python(pin):
         return python
     sdist = fork.obtain_sdist(pin)
     print(f"verify: creating {venv} (vanilla {pin['name']} {pin['version']}) ...", file=sys.stderr)
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
-             [str(python), "-m", "pip", "install", "-q", TORCH],
-             [str(python), "-m", "pip", "install", "-q", str(sdist), "-r",
-              str(TEST_REQUIREMENTS)]]
+    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], [str(python), "-m", "pip", "install", "-q", TORCH],
+             [str(python), "-m", "pip", "install", "-q",
+              str(sdist), "-r", str(TEST_REQUIREMENTS)]]
     for cmd in steps:
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
@@ -167,8 +166,9 @@ def run(args):
     with tempfile.TemporaryDirectory() as up_dir, tempfile.TemporaryDirectory() as fork_dir:
         up = run_side(up_python, args, f"deepspeed {up_version}", up_dir)
         mine = run_side(fork_python, args, f"deepspeed {fork_version}", fork_dir)
-        rows = [(name, up.get(name, "-"), mine.get(name, "-"),
-                 _same_numbers(name, up.get(name), mine.get(name), up_dir, fork_dir))
+        rows = [(name, up.get(name,
+                              "-"), mine.get(name,
+                                             "-"), _same_numbers(name, up.get(name), mine.get(name), up_dir, fork_dir))
                 for name in sorted(set(up) | set(mine))]
     text = table(rows, f"upstream {up_version}", f"fork {fork_version}")
     print(text)

@@ -36,8 +36,14 @@ def repo(tmp_path):
         return p
 
     def git(*args):
-        return subprocess.run(["git", "-C", str(root / "tree"), *args], check=True, capture_output=True, text=True,
-                              env=dict(env, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+        return subprocess.run(["git", "-C", str(root / "tree"), *args],
+                              check=True,
+                              capture_output=True,
+                              text=True,
+                              env=dict(env,
+                                       GIT_AUTHOR_NAME="t",
+                                       GIT_AUTHOR_EMAIL="t@t",
+                                       GIT_COMMITTER_NAME="t",
                                        GIT_COMMITTER_EMAIL="t@t")).stdout
 
     return root, fork, git

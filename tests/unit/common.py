@@ -604,8 +604,9 @@ class EnableDeterminism:
 
     def __enter__(self):
         self._saved = (random.getstate(), np.random.get_state(), get_accelerator().get_rng_state(),
-                       os.environ.get("CUDA_LAUNCH_BLOCKING", ""), os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
-                       torch.are_deterministic_algorithms_enabled())
+                       os.environ.get("CUDA_LAUNCH_BLOCKING",
+                                      ""), os.environ.get("CUBLAS_WORKSPACE_CONFIG",
+                                                          ""), torch.are_deterministic_algorithms_enabled())
         random.seed(self.seed)
         np.random.seed(self.seed)
         get_accelerator().manual_seed(self.seed)
@@ -657,4 +658,5 @@ def allclose_on_all_ranks(actual, expected, assert_message=None, **kwargs) -> No
     except AssertionError as e:
         ok, local_msg = False, str(e)
     if not reduce_boolean_flags(ok, all):
-        raise AssertionError(assert_message or f"tensors differ on some rank(s){': ' + local_msg if local_msg else ''}")
+        raise AssertionError(assert_message
+                             or f"tensors differ on some rank(s){': ' + local_msg if local_msg else ''}")

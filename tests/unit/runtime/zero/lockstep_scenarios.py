@@ -80,16 +80,16 @@ class Scenario:
 SCENARIOS: Dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario("uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab"),
-                 stages=(1, 2, 3)),
+        Scenario(
+            "uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab"), stages=(1, 2, 3)),
         Scenario("llava_4933", "#4933: only rank 0 gets image batches; the projector is unused elsewhere",
                  lambda r, s, m: (r == 0, "ab")),
-        Scenario("llava_per_micro_step", "image batches change with rank and micro-step",
-                 lambda r, s, m: ((r + s + m) % 2 == 0, "ab")),
-        Scenario("order_divergent", "odd ranks run the same two branches in the opposite order",
-                 lambda r, s, m: (True, "ab" if r % 2 == 0 else "ba")),
-        Scenario("equal_size_branches", "even ranks use branch a, odd ranks the equal-size branch b",
-                 lambda r, s, m: (True, "a" if r % 2 == 0 else "b")),
+        Scenario("llava_per_micro_step", "image batches change with rank and micro-step", lambda r, s, m:
+                 ((r + s + m) % 2 == 0, "ab")),
+        Scenario("order_divergent", "odd ranks run the same two branches in the opposite order", lambda r, s, m:
+                 (True, "ab" if r % 2 == 0 else "ba")),
+        Scenario("equal_size_branches", "even ranks use branch a, odd ranks the equal-size branch b", lambda r, s, m:
+                 (True, "a" if r % 2 == 0 else "b")),
         Scenario("no_hook_rank",
                  "frozen LLM, only the projector trains; odd ranks see text only, so no gradient hook fires there",
                  lambda r, s, m: (r % 2 == 0, ""),
@@ -159,10 +159,7 @@ def make_model(scenario, checkpoint=False):
 def make_optimizer(model, scenario):
     # SGD with momentum is linear in the gradient, so float noise stays float noise. (Adam's first
     # step is lr * sign(g): a near-zero gradient element flips by 2 * lr on rounding alone.)
-    return torch.optim.SGD(param_groups(model, scenario.param_groups),
-                           lr=LR,
-                           momentum=0.9,
-                           weight_decay=WEIGHT_DECAY)
+    return torch.optim.SGD(param_groups(model, scenario.param_groups), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
 
 
 def _full_params(model, stage):
@@ -257,7 +254,9 @@ def check_lockstep(scenario_name, config, steps, backward="engine", checkpoint=F
 # larger than the bucket), CPU offload, bf16 and gradient accumulation.
 ZERO12_CONFIGS = {
     f"overlap{int(o)}-contig{int(c)}-rs{int(r)}": dict(overlap_comm=o, contiguous_gradients=c, reduce_scatter=r)
-    for o in (False, True) for c in (False, True) for r in (False, True)
+    for o in (False, True)
+    for c in (False, True)
+    for r in (False, True)
 }
 ZERO12_CONFIGS.update({
     "rs0-multirank0": dict(reduce_scatter=False, use_multi_rank_bucket_allreduce=False),
