@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""Fork vs upstream: step time, peak memory and collectives per step, in one invocation.
+
+For every case (ZeRO stage x usage), runs benchmarks/lockstep/worker.py with the fork's interpreter
+(.venv) and with vanilla deepspeed 0.19.8's (.cache/venv-upstream-<version>, made by
+`scripts/fork.py verify` or on first use), interleaved and alternating which goes first, --reps times
+after a warm-up run each. Reports the median step time (median over repetitions of each run's median
+step), its spread (min-max of the per-run medians), peak memory (max RSS over ranks on CPU; max CUDA
+memory allocated on GPU), collectives per step (counted by wrapping torch.distributed's collectives),
+and the ratios fork/upstream and fork divergent/fork uniform. Writes a markdown table and a PNG plot.
+
+  python3 benchmarks/lockstep/bench.py --world-size 2 --stages 1 2 3 --reps 5
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def run_once(python, case, args, out):
+    cmd = [
+        str(python),
+        str(ROOT / "benchmarks" / "lockstep" / "worker.py"), "--out", out, "--world-size",
+        str(args.world_size), "--stage",
+        str(case["stage"]), "--usage", case["usage"], "--hidden",
+        str(args.hidden), "--layers",
+        str(args.layers), "--seq",
+        str(args.seq), "--batch",
+        str(args.batch), "--dtype", args.dtype, "--overlap-comm",
+        str(int(args.overlap_comm)), "--contiguous-gradients",
+        str(int(args.contiguous_gradients)), "--bucket-size",
+        str(args.bucket_size), "--warmup",
+        str(args.warmup), "--steps",
+        str(args.steps)
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode != 0:
+        raise SystemExit(f"bench: worker failed with {python}:\n{p.stderr[-3000:]}")
+
+
+def summarize(lines):
+    medians = [statistics.median(l["step_times"]) for l in lines]
+    return {
+        "version": lines[0]["version"],
+        "median_step_s": statistics.median(medians),
+        "spread_s": (min(medians), max(medians)),
+        "peak_rss_mib": max(l["peak_rss"] for l in lines) / 2**20,
+        "peak_cuda_mib": max(l["peak_cuda_allocated"] for l in lines) / 2**20,
+        "collectives_per_step": sorted({c
+                                        for l in lines
+                                        for c in l["collectives_per_step"]}),
+    }
+
+
+def markdown(results, args, machine):
+    mem_key = "peak_cuda_mib" if any(r["fork"]["peak_cuda_mib"] for r in results) else "peak_rss_mib"
+    mem_name = "max CUDA allocated" if mem_key == "peak_cuda_mib" else "peak RSS (max over ranks)"
+    mem_name = "max CUDA allocated" if mem_key == "peak_cuda_mib" else "peak RSS (max over ranks)"
+    lines = [
+        f"Machine: {machine}. World size {args.world_size}, {args.dtype}, hidden {args.hidden}, {args.layers} "
+        f"blocks, seq {args.seq}, micro-batch {args.batch}, overlap_comm={bool(args.overlap_comm)}, "
+        f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}; "
+        f"{args.reps} interleaved repetitions x {args.steps} timed steps after {args.warmup} warm-up steps.", "",
+        f"| stage | usage | upstream step (ms) | fork step (ms) | fork/upstream time | fork spread (ms) | "
+        f"upstream {mem_name} (MiB) | fork (MiB) | fork/upstream memory | collectives/step upstream | fork |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    ]
+    for r in results:
+        up, fk = r["upstream"], r["fork"]
+        fork_cols = (f"{fk['median_step_s'] * 1e3:.2f}",
+                     f"{fk['spread_s'][0] * 1e3:.2f}-{fk['spread_s'][1] * 1e3:.2f}", f"{fk[mem_key]:.1f}",
+                     f"{fk['collectives_per_step']}")
+        if up is None:
+            lines.append(
+                f"| {r['stage']} | {r['usage']} | fails on upstream | {fork_cols[0]} | - | {fork_cols[1]} | - | "
+                f"{fork_cols[2]} | - | - | {fork_cols[3]} |")
+            continue
+        lines.append(
+            f"| {r['stage']} | {r['usage']} | {up['median_step_s'] * 1e3:.2f} | {fork_cols[0]} | "
+            f"{fk['median_step_s'] / up['median_step_s']:.3f} | {fork_cols[1]} | {up[mem_key]:.1f} | "
+            f"{fork_cols[2]} | {fk[mem_key] / up[mem_key]:.3f} | {up['collectives_per_step']} | {fork_cols[3]} |")
+    lines.append("")
+    for stage in sorted({r["stage"] for r in results}):
+        by = {r["usage"]: r for r in results if r["stage"] == stage}
+        if "uniform" in by and "divergent" in by:
+            ratio = by["divergent"]["fork"]["median_step_s"] / by["uniform"]["fork"]["median_step_s"]
+            lines.append(f"- ZeRO-{stage}: fork divergent / fork uniform step time = {ratio:.3f}")
+    if any(r["upstream"] is None for r in results):
+        lines.append("- upstream with divergent usage is not run: 0.19.8 aborts with a collective mismatch or hangs")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib not available; no plot", file=sys.stderr)
+        return False
+    labels = [f"Z{r['stage']} {r['usage']}" for r in results]
+    xs = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(6, len(results) * 1.2), 4))
+    w = 0.38
+    for off, side, color in ((-w / 2, "upstream", "#999999"), (w / 2, "fork", "#2a7ab0")):
+        vals = [r[side]["median_step_s"] * 1e3 if r[side] else 0 for r in results]
+        lo = [v - r[side]["spread_s"][0] * 1e3 if r[side] else 0 for v, r in zip(vals, results)]
+        hi = [r[side]["spread_s"][1] * 1e3 - v if r[side] else 0 for v, r in zip(vals, results)]
+        ax.bar([x + off for x in xs], vals, w, yerr=[lo, hi], label=side, color=color, capsize=3)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title("lockstep fork vs deepspeed 0.19.8 (upstream divergent: fails, not plotted)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--usages", nargs="+", default=["uniform", "divergent"], choices=["uniform", "divergent"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--overlap-comm", action="store_true")
+    p.add_argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false")
+    p.add_argument("--bucket-size", type=int, default=500_000_000)
+    p.add_argument("--fork-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    p.add_argument("--upstream-python", help="default: the venv scripts/fork.py verify uses (created if missing)")
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "lockstep" / "out"))
+    args = p.parse_args()
+
+    if args.upstream_python is None:
+        import fork
+        import verify
+        args.upstream_python = str(verify.upstream_python(fork.read_pin()))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, "
+               f"{time.strftime('%Y-%m-%d')}")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in args.stages:
+            for usage in args.usages:
+                case = {"stage": stage, "usage": usage}
+                files = {side: str(Path(tmp, f"{side}-{stage}-{usage}.jsonl")) for side in ("fork", "upstream")}
+                sides = [("fork", args.fork_python), ("upstream", args.upstream_python)]
+                if usage == "divergent":
+                    sides = sides[:1]  # vanilla upstream cannot run it (collective mismatch / hang)
+                for rep in range(args.reps):
+                    order = sides if rep % 2 == 0 else list(reversed(sides))
+                    for side, python in order:
+                        print(f"bench: ZeRO-{stage} {usage} rep {rep + 1}/{args.reps} {side}", file=sys.stderr)
+                        run_once(python, case, args, files[side])
+                entry = dict(case)
+                for side, _ in sides:
+                    entry[side] = summarize([json.loads(l) for l in Path(files[side]).read_text().splitlines()])
+                entry.setdefault("upstream", None)  # divergent usage: upstream aborts or hangs
+                results.append(entry)
+    table = markdown(results, args, machine)
+    (out_dir / "results.md").write_text(table)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    plotted = plot(results, out_dir / "step_time.png")
+    print(table)
+    print(f"bench: wrote {out_dir / 'results.md'}" + (f" and {out_dir / 'step_time.png'}" if plotted else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""One benchmark run with whatever deepspeed the running interpreter has (upstream or the fork).
+
+Started by bench.py once per (side, repetition). Launches the ranks through the test harness
+(tests/unit/common.py: deadlines, no stragglers), trains a transformer-like model with ZeRO, and writes
+one JSON line with per-step times, peak memory and collectives per step to --out.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast",
+               "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv")
+
+
+def build_model(args):
+    import torch
+
+    class Block(torch.nn.Module):
+
+        def __init__(self, d):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(d)
+            self.up = torch.nn.Linear(d, 4 * d)
+            self.down = torch.nn.Linear(4 * d, d)
+
+        def forward(self, h):
+            return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+    class Model(torch.nn.Module):
+        """A stack of MLP blocks; the LLaVA-like variant adds an image projector used on image batches."""
+
+        def __init__(self, d, layers):
+            super().__init__()
+            self.image_proj = torch.nn.Linear(d, d)
+            self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+            self.head = torch.nn.Linear(d, 1)
+
+        def forward(self, x, image=None):
+            h = x
+            if image is not None:
+                h = h + self.image_proj(image)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).pow(2).mean()
+
+    torch.manual_seed(0)
+    return Model(args.hidden, args.layers)
+
+
+def rank_main(args):
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    # Count every collective ZeRO issues: they all go through deepspeed.comm's backend object.
+    counts = {"n": 0}
+    backend = deepspeed.comm.comm.cdb
+    for name in COLLECTIVES:
+        fn = getattr(backend, name, None)
+        if fn is None:
+            continue
+
+        def counted(*a, __fn=fn, **k):
+            counts["n"] += 1
+            return __fn(*a, **k)
+
+        setattr(backend, name, counted)
+
+    rank = dist.get_rank()
+    device = get_accelerator().current_device_name()
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": args.stage,
+            "overlap_comm": args.overlap_comm,
+            "contiguous_gradients": args.contiguous_gradients,
+            "reduce_bucket_size": args.bucket_size,
+        },
+    }
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    model = build_model(args)
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                           config=config)
+    dtype = next(engine.module.parameters()).dtype
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
+    image = torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
+
+    def uses_image(step):
+        if args.usage == "uniform":
+            return True
+        return (rank + step) % 2 == 0  # divergent: half the ranks have an image batch, alternating
+
+    times, collectives = [], []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        get_accelerator().synchronize()
+        dist.barrier()
+        before = counts["n"]
+        t0 = time.perf_counter()
+        loss = engine(x, image if uses_image(step) else None)
+        engine.backward(loss)
+        engine.step()
+        get_accelerator().synchronize()
+        t1 = time.perf_counter()
+        if step >= args.warmup:
+            times.append(t1 - t0)
+            collectives.append(counts["n"] - before)
+    per_step = torch.tensor(times)  # the job's step time is the slowest rank's
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024])
+    dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
+    peak_cuda = float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
+    if rank == 0:
+        out = {
+            "version": deepspeed.__version__,
+            "step_times": per_step.tolist(),
+            "peak_rss": peak_rss.item(),
+            "peak_cuda_allocated": peak_cuda,
+            "collectives_per_step": sorted(set(collectives)),
+        }
+        with open(args.out, "a") as f:
+            f.write(json.dumps(out) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--usage", choices=["uniform", "divergent"], default="uniform")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--overlap-comm", type=int, default=0)
+    p.add_argument("--contiguous-gradients", type=int, default=1)
+    p.add_argument("--bucket-size", type=int, default=500_000_000)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--deadline", type=float, default=600)
+    args = p.parse_args()
+    from unit.common import launch
+    result = launch(rank_main, args.world_size, kwargs={"args": args}, timeout=args.deadline)
+    if result.outcome != "passed":
+        print(result.report(), file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
