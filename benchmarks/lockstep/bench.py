@@ -165,7 +165,7 @@ def main():
                 case = {"stage": stage, "usage": usage}
                 files = {side: str(Path(tmp, f"{side}-{stage}-{usage}.jsonl")) for side in ("fork", "upstream")}
                 sides = [("fork", args.fork_python), ("upstream", args.upstream_python)]
-                if usage == "divergent":
+                if usage == "divergent" and args.world_size > 1:
                     sides = sides[:1]  # vanilla upstream cannot run it (collective mismatch / hang)
                 for rep in range(args.reps):
                     order = sides if rep % 2 == 0 else list(reversed(sides))

@@ -125,9 +125,9 @@ def rank_main(args):
         if step >= args.warmup:
             times.append(t1 - t0)
             collectives.append(counts["n"] - before)
-    per_step = torch.tensor(times)  # the job's step time is the slowest rank's
+    per_step = torch.tensor(times, device=device)  # the job's step time is the slowest rank's
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
-    peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024])
+    peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024], device=device)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     peak_cuda = float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
     if rank == 0:
