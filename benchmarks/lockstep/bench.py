@@ -177,9 +177,9 @@ def main():
                     entry[side] = summarize([json.loads(l) for l in Path(files[side]).read_text().splitlines()])
                 entry.setdefault("upstream", None)  # divergent usage: upstream aborts or hangs
                 results.append(entry)
-    table = markdown(results, args, machine)
-    (out_dir / "results.md").write_text(table)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+                table = markdown(results, args, machine)  # after every case: a cut-short run keeps its results
+                (out_dir / "results.md").write_text(table)
+                (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plotted = plot(results, out_dir / "step_time.png")
     print(table)
     print(f"bench: wrote {out_dir / 'results.md'}" + (f" and {out_dir / 'step_time.png'}" if plotted else ""))
