@@ -61,3 +61,20 @@ class TestShape7991(DistributedTest):
     @pytest.mark.world_size(16)
     def test_lockstep_16_ranks(self, stage):
         check_lockstep("shape_7991", zero_config(stage, overlap_comm=True, reduce_bucket_size=100), steps=10)
+
+
+@pytest.mark.parametrize("scenario", ["llava_4933", "uniform"])
+class TestIgnoreUnusedParametersFalse(DistributedTest):
+    """ignore_unused_parameters=False (with CPU offload, where 0.19.8 checks it) must stay an error when a
+    parameter gets no gradient on some rank, raised by every rank at the same point; uniform usage trains."""
+    world_size = 2
+    exec_timeout = 45
+
+    def test_every_rank_raises_together(self, scenario):
+        config = zero_config(2, offload_optimizer={"device": "cpu"}, ignore_unused_parameters=False)
+        if scenario == "uniform":
+            check_lockstep(scenario, config, steps=2)
+            return
+        with pytest.raises(AssertionError, match="ignore_unused_parameters") as error:
+            check_lockstep(scenario, config, steps=2)
+        assert "data-parallel ranks [1]" in str(error.value)
