@@ -123,7 +123,8 @@ def plot(results, path):
     ax.set_xticklabels(labels)
     ax.set_ylabel("median step time (ms)")
     missing = any(r["upstream"] is None for r in results)
-    ax.set_title("lockstep fork vs deepspeed 0.19.8" + (" (upstream divergent: fails, not plotted)" if missing else ""))
+    ax.set_title("lockstep fork vs deepspeed 0.19.8" +
+                 (" (upstream divergent: fails, not plotted)" if missing else ""))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
