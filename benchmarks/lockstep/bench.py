@@ -45,7 +45,10 @@ def run_once(python, case, args, out):
         str(args.warmup), "--steps",
         str(args.steps)
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # one JIT-extensions dir per interpreter, kept across runs (the harness would build a fresh one each time)
+    ext = Path(args.out_dir, "torch-extensions", Path(python).resolve().parent.parent.name)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ext), DS_TEST_KEEP_EXTENSIONS_DIR="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"bench: worker failed with {python}:\n{p.stderr[-3000:]}")
 
