@@ -46,7 +46,7 @@ def run_once(python, case, args, out):
         str(args.steps)
     ]
     # one JIT-extensions dir per interpreter, kept across runs (the harness would build a fresh one each time)
-    ext = Path(args.out_dir, "torch-extensions", Path(python).resolve().parent.parent.name)
+    ext = Path(args.out_dir, "torch-extensions", Path(python).absolute().parent.parent.name)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ext), DS_TEST_KEEP_EXTENSIONS_DIR="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
