@@ -162,7 +162,7 @@ def make_optimizer(model, scenario):
     return torch.optim.SGD(param_groups(model, scenario.param_groups), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
 
 
-def _full_params(model, stage):
+def full_params(model, stage):
     params = list(model.named_parameters())
     if stage == 3:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
@@ -190,21 +190,27 @@ def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkp
             else:
                 engine.backward(loss)
             engine.step()
-    return _full_params(engine.module, stage)
+    return full_params(engine.module, stage)
 
 
 def train_reference(scenario: Scenario, world_size, steps, gradient_accumulation_steps=1):
     """Plain PyTorch, one process: per-rank gradients averaged over ranks (zeros where absent), clipped
     by global norm, then the same optimizer."""
     model = make_model(scenario)
-    opt = make_optimizer(model, scenario)
+    return reference_training(model, make_optimizer(model, scenario), world_size, steps, gradient_accumulation_steps,
+                              lambda rank, step, micro: model(*batch(scenario, rank, step, micro)))
+
+
+def reference_training(model, optimizer, world_size, steps, gradient_accumulation_steps, loss_of):
+    """What data-parallel training must compute, in one process: each step, every rank's micro-batch
+    gradients (``loss_of(rank, step, micro)``) summed, averaged over the ranks with zeros where a rank
+    produced none, clipped by global norm, then one ``optimizer`` step. Returns {name: parameter}."""
     params = [p for p in model.parameters() if p.requires_grad]
     for step in range(steps):
         total = [torch.zeros_like(p) for p in params]
         for rank in range(world_size):
             for micro in range(gradient_accumulation_steps):
-                x, image, route = batch(scenario, rank, step, micro)
-                loss = model(x, image, route) / gradient_accumulation_steps
+                loss = loss_of(rank, step, micro) / gradient_accumulation_steps
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 for t, g in zip(total, grads):
                     if g is not None:
@@ -212,8 +218,8 @@ def train_reference(scenario: Scenario, world_size, steps, gradient_accumulation
         for p, t in zip(params, total):
             p.grad = t / world_size
         torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -221,17 +227,23 @@ def check_lockstep(scenario_name, config, steps, backward="engine", checkpoint=F
     """Train with DeepSpeed on every rank and check both oracles; every rank raises together.
 
     Returns a summary dict (used by the demo)."""
+    scenario = SCENARIOS[scenario_name]
+    mine = train_deepspeed(scenario, config, steps, backward=backward, checkpoint=checkpoint)
+    ref = train_reference(scenario, dist.get_world_size(), steps, config.get("gradient_accumulation_steps", 1))
+    return assert_lockstep(mine, ref, config, steps, atol=atol, rtol=rtol)
+
+
+def assert_lockstep(mine, ref, config, steps, atol=1e-6, rtol=1e-5):
+    """The two oracles on {name: full parameter} after training: bitwise identical across ranks, and equal
+    to the plain-PyTorch reference ``ref``. The verdict is agreed, so all ranks raise (or pass) together."""
     if "bf16" in config and config["bf16"].get("enabled"):
         atol, rtol = 6e-3, 1e-2  # bf16 model weights round at ~2e-3; a lost gradient moves them by ~LR * |g|
-    scenario = SCENARIOS[scenario_name]
     world_size = dist.get_world_size()
-    mine = train_deepspeed(scenario, config, steps, backward=backward, checkpoint=checkpoint)
     names = sorted(mine)
     flat = torch.cat([mine[n].flatten() for n in names])
     gathered = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     differing = [r for r in range(world_size) if not torch.equal(gathered[r], gathered[0])]
-    ref = train_reference(scenario, world_size, steps, config.get("gradient_accumulation_steps", 1))
     worst = {n: (mine[n] - ref[n].float()).abs().max().item() for n in names}
     far = {n: d for n, d in worst.items() if not torch.allclose(mine[n], ref[n].float(), atol=atol, rtol=rtol)}
     # agree on the verdict so that all ranks raise (or pass) together
@@ -265,6 +277,22 @@ ZERO12_CONFIGS.update({
     "offload": dict(offload_optimizer={"device": "cpu"}),
     "bf16": dict(bf16=True),
     "gas2": dict(gradient_accumulation_steps=2, overlap_comm=True),
+})
+
+# ZeRO-3 configurations: reduce-scatter or the contiguous all-reduce path, contiguous gradients on/off,
+# small buckets (several per micro-step, and weights larger than a bucket), bf16, gradient accumulation
+# and CPU offload of the optimizer.
+ZERO3_CONFIGS = {
+    f"contig{int(c)}-rs{int(r)}": dict(contiguous_gradients=c, reduce_scatter=r)
+    for c in (False, True)
+    for r in (False, True)
+}
+ZERO3_CONFIGS.update({
+    "bucket40-xl": dict(reduce_bucket_size=40),
+    "bucket100-rs0": dict(reduce_bucket_size=100, reduce_scatter=False),
+    "offload": dict(offload_optimizer={"device": "cpu"}),
+    "bf16": dict(bf16=True),
+    "gas2": dict(gradient_accumulation_steps=2),
 })
 
 
