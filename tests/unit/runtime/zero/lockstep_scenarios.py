@@ -74,14 +74,13 @@ class Scenario:
     usage: Callable[[int, int, int], Tuple[bool, str]]
     frozen: Tuple[str, ...] = ()  # parameter name prefixes frozen before deepspeed.initialize
     param_groups: str = "one"  # how the optimizer's param groups are cut (see param_groups())
-    stages: Tuple[int, ...] = (1, 2)  # ZeRO stages the fork keeps in lockstep for it (ZeRO-3: its own work)
+    stages: Tuple[int, ...] = (1, 2, 3)  # ZeRO stages the demo runs it under
 
 
 SCENARIOS: Dict[str, Scenario] = {
     s.name: s
     for s in [
-        Scenario(
-            "uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab"), stages=(1, 2, 3)),
+        Scenario("uniform", "every rank runs every module on every batch", lambda r, s, m: (True, "ab")),
         Scenario("llava_4933", "#4933: only rank 0 gets image batches; the projector is unused elsewhere",
                  lambda r, s, m: (r == 0, "ab")),
         Scenario("llava_per_micro_step", "image batches change with rank and micro-step", lambda r, s, m:
@@ -98,7 +97,8 @@ SCENARIOS: Dict[str, Scenario] = {
                  "#7991: LLaVA-style decay/no-decay x projector/other groups plus a tiny group (high ranks own "
                  "only padding); at step 9 two ranks take a branch the others skip",
                  lambda r, s, m: (True, "ab" if (s == 9 and r in (1, 2)) else "a"),
-                 param_groups="llava_7991"),
+                 param_groups="llava_7991",
+                 stages=(1, 2)),
     ]
 }
 

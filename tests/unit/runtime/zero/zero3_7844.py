@@ -99,7 +99,8 @@ VARIANTS = {
                 lambda r, s: (3, False, r == 0 or s % 2 == 1),
                 conditional=("vision", ),
                 zero=(("stage3_param_persistence_threshold", 0), )),
-        Variant("conditional_routes", "rank_routes with r0 and r1 declared conditional and nothing else persistent",
+        Variant("conditional_routes",
+                "rank_routes with r0 and r1 declared conditional and nothing else persistent",
                 lambda r, s: (r % 2, False, False),
                 conditional=("r0", "r1"),
                 zero=(("stage3_param_persistence_threshold", 0), )),
@@ -155,10 +156,11 @@ class Phases:
                   flush=True)
             if age > self.watchdog_s and not signalled:
                 signalled = True
-                print(f"BUG_SIGNAL: HANG step={self.step} route={self.route} timeout>{self.watchdog_s:.0f}s "
-                      f"last_phase={self.phase}",
-                      file=self.out,
-                      flush=True)
+                print(
+                    f"BUG_SIGNAL: HANG step={self.step} route={self.route} timeout>{self.watchdog_s:.0f}s "
+                    f"last_phase={self.phase}",
+                    file=self.out,
+                    flush=True)
 
     def stop(self):
         self._stop.set()
