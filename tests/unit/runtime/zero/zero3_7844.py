@@ -49,7 +49,8 @@ class Gate(torch.nn.Module):
 
 class RouteNet(torch.nn.Module):
     """route 0 runs r0, 1 runs r1 (the same size), 2 runs r0 twice, 3 runs both; `vision` runs only on
-    batches with an image; `tiny` has fewer elements than there are ranks."""
+    batches with an image, `badge` (small enough to stay resident under a persistence threshold of 100)
+    only on batches with a badge; `tiny` has fewer elements than there are ranks."""
 
     def __init__(self, hidden=HIDDEN):
         super().__init__()
@@ -58,10 +59,11 @@ class RouteNet(torch.nn.Module):
         self.r1 = torch.nn.Linear(hidden, hidden)
         self.gate = Gate(hidden)
         self.vision = torch.nn.Linear(hidden, hidden)
+        self.badge = torch.nn.Linear(4, hidden)
         self.out = torch.nn.Linear(hidden, 1)
         self.tiny = torch.nn.Parameter(torch.ones(1))
 
-    def forward(self, x, route, boost=False, image=None):
+    def forward(self, x, route, boost=False, image=None, badge=None):
         h = torch.tanh(self.inp(x))
         for _ in range(2 if route == 2 else 1 if route in (0, 3) else 0):
             h = h + torch.tanh(self.r0(h))
@@ -70,6 +72,8 @@ class RouteNet(torch.nn.Module):
         h = self.gate(h, boost)
         if image is not None:
             h = h + torch.tanh(self.vision(image))
+        if badge is not None:
+            h = h + torch.tanh(self.badge(badge))
         return (self.out(h) * self.tiny).pow(2).mean()
 
 
@@ -77,7 +81,7 @@ class RouteNet(torch.nn.Module):
 class Variant:
     name: str
     description: str
-    # (rank, step) -> (route, use the gate's boost, batch has an image)
+    # (rank, step) -> (route, use the gate's boost, batch has an image, batch has a badge)
     usage: Callable[[int, int], Tuple[int, bool, bool]]
     conditional: Tuple[str, ...] = ()  # submodules declared as running on some ranks only
     zero: Tuple[Tuple[str, object], ...] = ()  # zero_optimization overrides
@@ -86,22 +90,28 @@ class Variant:
 VARIANTS = {
     v.name: v
     for v in [
-        Variant("same_route", "the report's log: route 0 on every rank (control)", lambda r, s: (0, False, False)),
+        Variant("same_route", "the report's log: route 0 on every rank (control)", lambda r, s:
+                (0, False, False, False)),
         Variant("inner_param", "route 0 everywhere; the gate, run by every rank, uses its boost on rank 0 only",
-                lambda r, s: (0, r == 0, False)),
+                lambda r, s: (0, r == 0, False, False)),
         Variant("rank_routes", "equal-size rank-dependent routes: even ranks r0, odd ranks r1", lambda r, s:
-                (r % 2, False, False)),
+                (r % 2, False, False, False)),
         Variant("late_divergence", "route 0 on every rank for steps 0-1, rank-dependent from step 2", lambda r, s:
-                (0 if s < 2 else r % 2, False, False)),
+                (0 if s < 2 else r % 2, False, False, False)),
         Variant("conditional_vision",
                 "a vision tower declared conditional, run only on image batches (rank 0, and odd steps elsewhere); "
                 "nothing else persistent",
-                lambda r, s: (3, False, r == 0 or s % 2 == 1),
+                lambda r, s: (3, False, r == 0 or s % 2 == 1, False),
                 conditional=("vision", ),
                 zero=(("stage3_param_persistence_threshold", 0), )),
+        Variant("resident_badge",
+                "an undeclared small module (resident under a persistence threshold of 100) run on rank 0 only, "
+                "every other module fetched",
+                lambda r, s: (3, False, True, r == 0),
+                zero=(("stage3_param_persistence_threshold", 100), )),
         Variant("conditional_routes",
                 "rank_routes with r0 and r1 declared conditional and nothing else persistent",
-                lambda r, s: (r % 2, False, False),
+                lambda r, s: (r % 2, False, False, False),
                 conditional=("r0", "r1"),
                 zero=(("stage3_param_persistence_threshold", 0), )),
     ]
@@ -111,9 +121,11 @@ VARIANTS = {
 def make_model(variant):
     torch.manual_seed(SEED)
     model = RouteNet()
+    # the fork's declaration; upstream 0.19.8 has none, and runs the variant undeclared
     register = getattr(deepspeed.zero, "register_conditional_module", None)
+    assert register is not None or "lockstep" not in deepspeed.__version__, "the fork lost its declaration API"
     for name in variant.conditional:
-        if register is not None:  # the fork's declaration; upstream has none
+        if register is not None:
             register(getattr(model, name))
     return model
 
@@ -123,11 +135,12 @@ def make_optimizer(model):
 
 
 def batch(variant, rank, step, dtype=torch.float32):
-    route, boost, has_image = variant.usage(rank, step)
+    route, boost, has_image, has_badge = variant.usage(rank, step)
     g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
     x = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(dtype)
     image = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(dtype) if has_image else None
-    return x, route, boost, image
+    badge = torch.randn(MICRO_BATCH, 4, generator=g).to(dtype) if has_badge else None
+    return x, route, boost, image, badge
 
 
 class Phases:
@@ -178,9 +191,9 @@ def run_7844(variant_name, bf16=False, out=sys.stdout, **zero):
     phases = Phases(rank, out=out)
     try:
         for step in range(ITERATIONS):
-            x, route, boost, image = batch(variant, rank, step, dtype)
+            x, route, boost, image, badge = batch(variant, rank, step, dtype)
             phases.mark(step, route, "forward")
-            loss = engine(x, route, boost, image)
+            loss = engine(x, route, boost, image, badge)
             phases.mark(step, route, "backward")
             engine.backward(loss)
             phases.mark(step, route, "step_begin")
