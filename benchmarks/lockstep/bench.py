@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-LOCKSTEP_STAGES = (1, 2)  # stages whose collectives the fork keeps rank-invariant (ZeRO-3: not yet)
+LOCKSTEP_STAGES = (1, 2, 3)  # stages whose collectives the fork keeps rank-invariant
 
 
 def run_once(python, case, args, out):
