@@ -280,8 +280,8 @@ ZERO12_CONFIGS.update({
 })
 
 # ZeRO-3 configurations: reduce-scatter or the contiguous all-reduce path, contiguous gradients on/off,
-# small buckets (several per micro-step, and weights larger than a bucket), bf16, gradient accumulation
-# and CPU offload of the optimizer.
+# small buckets (several per micro-step, and weights larger than a bucket; with the per-bucket sanity
+# check), bf16, gradient accumulation and CPU offload of the optimizer.
 ZERO3_CONFIGS = {
     f"contig{int(c)}-rs{int(r)}": dict(contiguous_gradients=c, reduce_scatter=r)
     for c in (False, True)
@@ -290,6 +290,7 @@ ZERO3_CONFIGS = {
 ZERO3_CONFIGS.update({
     "bucket40-xl": dict(reduce_bucket_size=40),
     "bucket100-rs0": dict(reduce_bucket_size=100, reduce_scatter=False),
+    "bucket100-sanity": dict(reduce_bucket_size=100, enable_sanity_checks=True),
     "offload": dict(offload_optimizer={"device": "cpu"}),
     "bf16": dict(bf16=True),
     "gas2": dict(gradient_accumulation_steps=2),
