@@ -40,7 +40,8 @@ class TinyLlava(torch.nn.Module):
 
     def __init__(self, hidden=HIDDEN, checkpoint=False):
         super().__init__()
-        self.checkpoint = checkpoint  # run `block` under reentrant activation checkpointing
+        # run `block` (True) or the last module, `head` ("head"), under reentrant activation checkpointing
+        self.checkpoint = checkpoint
         self.embed = torch.nn.Linear(hidden, hidden)
         self.image_proj = torch.nn.Linear(hidden, hidden)
         self.branch_a = torch.nn.Linear(hidden, hidden)
@@ -56,14 +57,19 @@ class TinyLlava(torch.nn.Module):
             h = h + self.image_proj(image)
         for name in route:
             h = h + torch.tanh((self.branch_a if name == "a" else self.branch_b)(h))
-        if self.checkpoint:
+        if self.checkpoint is True:
             h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=True)
         else:
             h = self._block(h)
-        return self.head(h).pow(2).mean()
+        if self.checkpoint == "head":
+            return torch.utils.checkpoint.checkpoint(self._head, h, use_reentrant=True)
+        return self._head(h)
 
     def _block(self, h):
         return torch.tanh(self.block(torch.tanh(h)))
+
+    def _head(self, h):
+        return self.head(h).pow(2).mean()
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,16 @@ class TestEpilogueTriggerZero3(DistributedTest):
     def test_lockstep(self, scenario, checkpoint, backward):
         config = zero_config(3, reduce_bucket_size=100, gradient_accumulation_steps=2)
         check_lockstep(scenario, config, steps=3, backward=backward, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("backward", ["engine", "torch"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+class TestEpilogueTriggerLastModuleCheckpointed(DistributedTest):
+    """With the last module under reentrant checkpointing, the first gradient hooks fire inside a nested
+    backward; the epilogue must still run once, at the end of the outer backward, on every rank."""
+    world_size = 2
+    exec_timeout = 45
+
+    def test_lockstep(self, stage, backward):
+        config = zero_config(stage, reduce_bucket_size=100, gradient_accumulation_steps=2)
+        check_lockstep("llava_4933", config, steps=3, backward=backward, checkpoint="head")
