@@ -116,7 +116,8 @@ def main():
             ends[log.stem] = [line for line in log.read_text().splitlines() if line.endswith("-> step_end")]
         print(f"{variant}: {VARIANTS[variant].description}")
         for rank, lines in ends.items():
-            print(f"  {rank}: {len(lines)}/{ITERATIONS} step_end   " + " | ".join(lines[-2:]))
+            print(f"  {rank}: {len(lines)}/{ITERATIONS} step_end: " +
+                  " | ".join(line.split(" -> ")[0] for line in lines))
         summaries = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
         if result.outcome == "passed":
             diff = max(s["max_abs_diff_vs_reference"] for s in summaries)
