@@ -59,3 +59,13 @@ class TestEpilogueTriggerLastModuleCheckpointed(DistributedTest):
     def test_lockstep(self, stage, backward):
         config = zero_config(stage, reduce_bucket_size=100, gradient_accumulation_steps=2)
         check_lockstep("llava_4933", config, steps=3, backward=backward, checkpoint="head")
+
+
+class TestShape7991Zero3(DistributedTest):
+    """The #7991 shape under ZeRO-3: LLaVA-style optimizer groups plus a one-element group (ranks >= 1 own
+    only padding of it), and a branch two of four ranks take at step 9 only."""
+    world_size = 4
+    exec_timeout = 120
+
+    def test_lockstep(self):
+        check_lockstep("shape_7991", zero_config(3, reduce_bucket_size=100), steps=10)
