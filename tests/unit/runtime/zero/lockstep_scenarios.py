@@ -179,7 +179,8 @@ def full_params(model, stage):
 def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkpoint=False):
     """Train on this rank; returns {name: full parameter} after `steps` optimizer steps.
 
-    backward: "engine" (engine.backward(loss)) or "torch" (PyTorch-style loss.backward()).
+    backward: "engine" (engine.backward(loss)), "torch" (PyTorch-style loss.backward()) or
+    "engine+allreduce" (engine.backward, then engine.allreduce_gradients() again, as upstream tests do).
     checkpoint: run the model's block under reentrant activation checkpointing."""
     rank = dist.get_rank()
     stage = config["zero_optimization"]["stage"]
@@ -195,6 +196,8 @@ def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkp
                 loss.backward()
             else:
                 engine.backward(loss)
+            if backward == "engine+allreduce":
+                engine.allreduce_gradients()  # an extra epilogue with no backward in between reduces nothing
             engine.step()
     return full_params(engine.module, stage)
 

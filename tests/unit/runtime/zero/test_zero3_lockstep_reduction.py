@@ -69,3 +69,15 @@ class TestShape7991Zero3(DistributedTest):
 
     def test_lockstep(self):
         check_lockstep("shape_7991", zero_config(3, reduce_bucket_size=100), steps=10)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+class TestEpilogueRunTwice(DistributedTest):
+    """engine.allreduce_gradients() called again after engine.backward (upstream's
+    TestZero3ParamPartitioningLargeParam does): the second epilogue has no backward to reduce and must
+    leave the reduced gradients alone, on every rank."""
+    world_size = 2
+    exec_timeout = 45
+
+    def test_lockstep(self, stage):
+        check_lockstep("llava_4933", zero_config(stage, reduce_bucket_size=100), steps=3, backward="engine+allreduce")
