@@ -1,0 +1,47 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""A rank-local exception just before a gradient reduction (injected on rank 1 into the code that puts a
+gradient into its bucket) must not leave the other ranks waiting in that reduction: the failing rank
+finishes it with zeros, and every rank raises the same error at the optimizer step, within the deadline."""
+
+import pytest
+
+import deepspeed
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import SCENARIOS, batch, make_model, make_optimizer, zero_config
+
+
+def _inject_once(optimizer):
+    original = optimizer.reduce_independent_p_g_buckets_and_remove_grads
+    state = {"raised": False}
+
+    def failing(*args, **kwargs):
+        if not state["raised"]:
+            state["raised"] = True
+            raise RuntimeError("injected rank-local failure")
+        return original(*args, **kwargs)
+
+    optimizer.reduce_independent_p_g_buckets_and_remove_grads = failing
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+class TestRankLocalErrorBeforeReduction(DistributedTest):
+    world_size = 2
+    exec_timeout = 45
+
+    def test_every_rank_raises_at_the_step(self, stage):
+        scenario = SCENARIOS["uniform"]
+        model = make_model(scenario)
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               optimizer=make_optimizer(model, scenario),
+                                               config=zero_config(stage, reduce_bucket_size=100))
+        if dist.get_rank() == 1:
+            _inject_once(engine.optimizer)
+        with pytest.raises(RuntimeError, match=r"ranks \[1\] hit an error before a gradient reduction") as error:
+            for step in range(3):
+                x, image, route = batch(scenario, dist.get_rank(), step, 0)
+                engine.backward(engine(x, image, route))
+                engine.step()
+        if dist.get_rank() == 1:
+            assert "injected rank-local failure" in str(error.value)
