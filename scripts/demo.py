@@ -43,13 +43,22 @@ def run_7844(variant, out):
     Path(out, f"rank{rank}.json").write_text(json.dumps(summary))
 
 
+def verdict_of(result, out, ok):
+    """(rank summaries, verdict line) of one launch; `ok` is the verdict's text when every rank passed."""
+    import json
+    summaries = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    if result.outcome != "passed":
+        return summaries, f"FAILED ({result.outcome})"
+    diff = max(s["max_abs_diff_vs_reference"] for s in summaries)
+    return summaries, f"OK: {ok}, max |param - reference| = {diff:.1e}"
+
+
 DEFAULT_SCENARIOS = ["uniform", "llava_4933"]
 DEFAULT_7844 = ["same_route", "inner_param", "rank_routes", "late_divergence", "conditional_vision"]
 
 
 def main():
     import tempfile
-    import json
     import deepspeed
     from unit.common import launch
     from unit.runtime.zero.lockstep_scenarios import SCENARIOS
@@ -92,14 +101,9 @@ def main():
                             args.world_size,
                             kwargs=dict(scenario=name, stage=stage, steps=args.steps, gas=args.gas, out=out),
                             timeout=args.deadline)
-            summaries = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+            summaries, verdict = verdict_of(result, out, "identical on all ranks")
             finished = len(summaries)
-            if result.outcome == "passed":
-                diff = max(s["max_abs_diff_vs_reference"] for s in summaries)
-                verdict = f"OK: identical on all ranks, max |param - reference| = {diff:.1e}"
-            else:
-                failures += 1
-                verdict = f"FAILED ({result.outcome})"
+            failures += result.outcome != "passed"
             rows.append((name, f"ZeRO-{stage}", f"{finished}/{args.world_size}", f"{result.elapsed:.1f}s", verdict))
             print(f"  ZeRO-{stage}  ranks finished {finished}/{args.world_size}  {verdict}", flush=True)
             if result.outcome != "passed":
@@ -118,13 +122,9 @@ def main():
         for rank, lines in ends.items():
             print(f"  {rank}: {len(lines)}/{ITERATIONS} step_end: " +
                   " | ".join(line.split(" -> ")[0] for line in lines))
-        summaries = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-        if result.outcome == "passed":
-            diff = max(s["max_abs_diff_vs_reference"] for s in summaries)
-            verdict = f"OK: step_end x{ITERATIONS} on every rank, identical, max |param - reference| = {diff:.1e}"
-        else:
+        summaries, verdict = verdict_of(result, out, f"step_end x{ITERATIONS} on every rank, identical")
+        if result.outcome != "passed":
             failures += 1
-            verdict = f"FAILED ({result.outcome})"
             print("\n".join("      " + line for line in result.report().splitlines()[:12]))
         print(f"  {verdict}", flush=True)
         rows.append((f"#7844 {variant}", "ZeRO-3", f"{len(summaries)}/2", f"{result.elapsed:.1f}s", verdict))
