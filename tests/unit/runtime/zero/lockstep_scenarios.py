@@ -168,6 +168,13 @@ def make_optimizer(model, scenario):
     return torch.optim.SGD(param_groups(model, scenario.param_groups), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
 
 
+def make_engine(scenario, config, checkpoint=False):
+    """The scenario's model and optimizer under DeepSpeed with ``config``."""
+    model = make_model(scenario, checkpoint=checkpoint)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, scenario), config=config)
+    return engine
+
+
 def full_params(model, stage):
     params = list(model.named_parameters())
     if stage == 3:
@@ -184,8 +191,7 @@ def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkp
     checkpoint: run the model's block under reentrant activation checkpointing."""
     rank = dist.get_rank()
     stage = config["zero_optimization"]["stage"]
-    model = make_model(scenario, checkpoint=checkpoint)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, scenario), config=config)
+    engine = make_engine(scenario, config, checkpoint=checkpoint)
     dtype = next(p for p in engine.module.parameters()).dtype
     gas = engine.gradient_accumulation_steps()
     for step in range(steps):

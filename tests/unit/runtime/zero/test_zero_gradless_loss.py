@@ -9,11 +9,10 @@ that step counts as zero in the average."""
 import pytest
 import torch
 
-import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, full_params, make_model,
-                                                  make_optimizer, reference_training, zero_config)
+from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, full_params, make_engine,
+                                                  make_model, make_optimizer, reference_training, zero_config)
 
 STEPS = 3
 GRADLESS = (1, 1)  # (rank, step) whose loss has no gradient
@@ -39,8 +38,7 @@ class TestGradientlessLoss(DistributedTest):
         zero = dict(zero)
         config = zero_config(zero.pop("stage"), **zero)
         rank = dist.get_rank()
-        model = make_model(scenario)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, scenario), config=config)
+        engine = make_engine(scenario, config)
         for step in range(STEPS):
             x, image, route = batch(scenario, rank, step, 0)
             output = engine(x, image, route)

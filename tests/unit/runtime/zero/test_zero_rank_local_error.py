@@ -6,10 +6,9 @@ finishes it with zeros, and every rank raises the same error at the optimizer st
 
 import pytest
 
-import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import SCENARIOS, batch, make_model, make_optimizer, zero_config
+from unit.runtime.zero.lockstep_scenarios import SCENARIOS, batch, make_engine, zero_config
 
 
 def _inject_once(optimizer):
@@ -32,10 +31,7 @@ class TestRankLocalErrorBeforeReduction(DistributedTest):
 
     def test_every_rank_raises_at_the_step(self, stage):
         scenario = SCENARIOS["uniform"]
-        model = make_model(scenario)
-        engine, _, _, _ = deepspeed.initialize(model=model,
-                                               optimizer=make_optimizer(model, scenario),
-                                               config=zero_config(stage, reduce_bucket_size=100))
+        engine = make_engine(scenario, zero_config(stage, reduce_bucket_size=100))
         if dist.get_rank() == 1:
             _inject_once(engine.optimizer)
         with pytest.raises(RuntimeError, match=r"ranks \[1\] hit an error before a gradient reduction") as error:
