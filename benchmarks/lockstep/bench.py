@@ -9,7 +9,9 @@ For every case (ZeRO stage x usage), runs benchmarks/lockstep/worker.py with the
 after a warm-up run each. Reports the median step time (median over repetitions of each run's median
 step), its spread (min-max of the per-run medians), peak memory (max RSS over ranks on CPU; max CUDA
 memory allocated on GPU), collectives per step (counted by wrapping torch.distributed's collectives),
-and the ratios fork/upstream and fork divergent/fork uniform. Writes a markdown table and a PNG plot.
+the ratios fork/upstream and fork divergent/fork uniform, and whether the final parameters are
+bit-identical fork vs upstream (uniform usage) in every repetition. Writes a markdown table and a PNG
+plot; exits 1 when uniform usage gives different parameters.
 
   python3 benchmarks/lockstep/bench.py --world-size 2 --stages 1 2 3 --reps 5
 """
@@ -65,7 +67,17 @@ def summarize(lines):
         "collectives_per_step": sorted({c
                                         for l in lines
                                         for c in l["collectives_per_step"]}),
+        "param_digests": sorted({l.get("param_digest", "?")
+                                 for l in lines}),
     }
+
+
+def numbers_verdict(entry):
+    """Uniform usage must give bit-identical parameters on the fork and on upstream, in every repetition."""
+    fork, up = entry["fork"]["param_digests"], entry["upstream"] and entry["upstream"]["param_digests"]
+    if up is None:
+        return "fork: " + ("1 digest" if len(fork) == 1 else f"{len(fork)} digests across repetitions")
+    return "equal" if fork == up and len(fork) == 1 else f"DIFFER: fork {fork} upstream {up}"
 
 
 def markdown(results, args, machine):
@@ -78,8 +90,8 @@ def markdown(results, args, machine):
         f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}; "
         f"{args.reps} interleaved repetitions x {args.steps} timed steps after {args.warmup} warm-up steps.", "",
         f"| stage | usage | upstream step (ms) | fork step (ms) | fork/upstream time | fork spread (ms) | "
-        f"upstream {mem_name} (MiB) | fork (MiB) | fork/upstream memory | collectives/step upstream | fork |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        f"upstream {mem_name} (MiB) | fork (MiB) | fork/upstream memory | collectives/step upstream | fork | "
+        f"final parameters |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
     ]
     for r in results:
         up, fk = r["upstream"], r["fork"]
@@ -89,12 +101,13 @@ def markdown(results, args, machine):
         if up is None:
             lines.append(
                 f"| {r['stage']} | {r['usage']} | fails on upstream | {fork_cols[0]} | - | {fork_cols[1]} | - | "
-                f"{fork_cols[2]} | - | - | {fork_cols[3]} |")
+                f"{fork_cols[2]} | - | - | {fork_cols[3]} | {numbers_verdict(r)} |")
             continue
         lines.append(
             f"| {r['stage']} | {r['usage']} | {up['median_step_s'] * 1e3:.2f} | {fork_cols[0]} | "
             f"{fk['median_step_s'] / up['median_step_s']:.3f} | {fork_cols[1]} | {up[mem_key]:.1f} | "
-            f"{fork_cols[2]} | {fk[mem_key] / up[mem_key]:.3f} | {up['collectives_per_step']} | {fork_cols[3]} |")
+            f"{fork_cols[2]} | {fk[mem_key] / up[mem_key]:.3f} | {up['collectives_per_step']} | {fork_cols[3]} | "
+            f"{numbers_verdict(r)} |")
     lines.append("")
     for stage in sorted({r["stage"] for r in results}):
         by = {r["usage"]: r for r in results if r["stage"] == stage}
@@ -103,6 +116,8 @@ def markdown(results, args, machine):
             lines.append(f"- ZeRO-{stage}: fork divergent / fork uniform step time = {ratio:.3f}")
     if any(r["upstream"] is None for r in results):
         lines.append("- upstream with divergent usage is not run: 0.19.8 aborts with a collective mismatch or hangs")
+    lines.append("- final parameters: digests of the parameters after the last step, over all repetitions; "
+                 "uniform usage must be bit-identical fork vs upstream")
     return "\n".join(lines) + "\n"
 
 
@@ -191,7 +206,11 @@ def main():
                 (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     plotted = plot(results, out_dir / "step_time.png")
     print(table)
+    wrong = [r for r in results if r["upstream"] is not None and numbers_verdict(r) != "equal"]
     print(f"bench: wrote {out_dir / 'results.md'}" + (f" and {out_dir / 'step_time.png'}" if plotted else ""))
+    if wrong:
+        print(f"bench: the final parameters differ fork vs upstream in {len(wrong)} case(s)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@
 
 Started by bench.py once per (side, repetition). Launches the ranks through the test harness
 (tests/unit/common.py: deadlines, no stragglers), trains a transformer-like model with ZeRO, and writes
-one JSON line with per-step times, peak memory and collectives per step to --out.
+one JSON line with per-step times, peak memory, collectives per step and a digest of the final
+parameters to --out.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -130,6 +132,12 @@ def rank_main(args):
     peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024], device=device)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     peak_cuda = float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
+    # The numbers, not only the time: a digest of the final parameters (every rank's must agree).
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.stage == 3):
+        flat = torch.cat([p.detach().float().flatten().cpu() for p in engine.module.parameters()])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
     if rank == 0:
         out = {
             "version": deepspeed.__version__,
@@ -137,6 +145,8 @@ def rank_main(args):
             "peak_rss": peak_rss.item(),
             "peak_cuda_allocated": peak_cuda,
             "collectives_per_step": sorted(set(collectives)),
+            "param_digest": digest if len(set(digests)) == 1 else "ranks differ: " + ",".join(digests),
+            "param_sum": flat.sum().item(),
         }
         with open(args.out, "a") as f:
             f.write(json.dumps(out) + "\n")

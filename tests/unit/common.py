@@ -16,7 +16,9 @@ What it adds:
 - each rank runs in its own process group, killed whole: no process outlives its test;
 - CPU runs use gloo with what DeepSpeed's CPU accelerator needs (LOCAL_SIZE, a private
   TORCH_EXTENSIONS_DIR whose shm comm op is built once per session before any deadline starts,
-  OMP_NUM_THREADS=1); GPU runs use the accelerator's backend (NCCL) with one device per rank;
+  OMP_NUM_THREADS=1); GPU runs use the accelerator's backend (NCCL) with one device per rank when
+  there are enough devices, else gloo with the ranks sharing the devices (rank r on device
+  r % count: its streams, events and caching allocator are real, so stream-order bugs show);
 - ranks are forked from a forkserver that has torch and deepspeed imported, so a fresh set of
   processes per test costs milliseconds, not a re-import: no state leaks between tests.
 
@@ -102,6 +104,21 @@ def _on_cpu():
     return get_accelerator().device_name() == "cpu"
 
 
+def device_placement(world_size, backend=None):
+    """(backend, {rank: local device index}) for a launch of world_size ranks.
+
+    On CPU: the given backend (gloo). With at least world_size devices: one device per rank and the
+    accelerator's backend (NCCL). With fewer: gloo, and rank r shares device r % count with the others
+    (NCCL cannot run two ranks on one device; gloo moves device tensors through host memory)."""
+    backend = backend or get_accelerator().communication_backend_name()
+    if _on_cpu() or not get_accelerator().is_available():
+        return backend, {r: r for r in range(world_size)}
+    count = get_accelerator().device_count()
+    if count >= world_size:
+        return backend, {r: r for r in range(world_size)}
+    return "gloo", {r: r % count for r in range(world_size)}
+
+
 # --------------------------------------------------------------------------- session set-up
 
 
@@ -163,6 +180,8 @@ def _rank_main(spec):
     try:
         if _on_cpu():
             torch.set_num_threads(1)
+        elif get_accelerator().is_available():
+            get_accelerator().set_device(spec["device"])  # before init: DeepSpeed binds the group to it
         if spec["init_distributed"]:
             deepspeed.init_distributed(dist_backend=spec["backend"],
                                        init_method=f"file://{workdir}/filestore",
@@ -170,8 +189,6 @@ def _rank_main(spec):
                                        world_size=spec["world_size"],
                                        timeout=timedelta(seconds=spec["pg_timeout"]),
                                        verbose=False)
-        if not _on_cpu() and get_accelerator().is_available():
-            get_accelerator().set_device(rank % max(1, get_accelerator().device_count()))
         spec["func"](**spec["kwargs"])
         if spec["init_distributed"] and dist.is_initialized():
             dist.barrier()  # every rank finished the same collectives (an extra one shows up as a hang)
@@ -326,7 +343,7 @@ def launch(func: Callable,
            grace: float = RELEASE_GRACE) -> LaunchResult:
     """Run `func(**kwargs)` on `world_size` fresh ranks under a deadline; never raises for rank failures."""
     ctx = _Session.get_context()
-    backend = backend or get_accelerator().communication_backend_name()
+    backend, devices = device_placement(world_size, backend)
     port = _free_port()
     workdir = Path(tempfile.mkdtemp(prefix="ds-dist-"))
     # Ranks get this process's environment as it is now (forkserver children would otherwise see the
@@ -345,8 +362,10 @@ def launch(func: Callable,
     procs, outcomes = [], [RankOutcome(rank=r) for r in range(world_size)]
     start = time.time()
     for rank in range(world_size):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if set_dist_env else dict(env)
+        # LOCAL_RANK is the device a rank uses (DeepSpeed's engine and init_distributed select it)
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(devices[rank])) if set_dist_env else dict(env)
         spec = dict(func=func,
+                    device=devices[rank],
                     kwargs=kwargs or {},
                     rank=rank,
                     world_size=world_size,
@@ -520,8 +539,6 @@ class DistributedExec(ABC):
     def _launch(self, world_size):
         sizes = world_size if isinstance(world_size, (list, tuple)) else [world_size]
         for n in sizes:
-            if not _on_cpu() and get_accelerator().device_count() < n:
-                pytest.skip(f"not enough accelerators: {n} required, {get_accelerator().device_count()} available")
             run_distributed(self._run_on_rank,
                             n,
                             timeout=self.exec_timeout,
@@ -597,10 +614,10 @@ def preferred_dtype():
 
 
 class EnableDeterminism:
-    """Seed python/numpy/accelerator RNGs (offset by LOCAL_RANK) and force deterministic kernels."""
+    """Seed python/numpy/accelerator RNGs (offset by the rank) and force deterministic kernels."""
 
     def __init__(self, seed: int):
-        self.seed = seed + int(os.getenv("LOCAL_RANK", "0"))
+        self.seed = seed + int(os.getenv("RANK", os.getenv("LOCAL_RANK", "0")))
 
     def __enter__(self):
         self._saved = (random.getstate(), np.random.get_state(), get_accelerator().get_rng_state(),

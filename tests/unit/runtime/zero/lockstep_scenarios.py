@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 HIDDEN = 8
 MICRO_BATCH = 2
@@ -126,13 +127,18 @@ def param_groups(model, style):
     return groups
 
 
-def batch(scenario, rank, step, micro, dtype=torch.float32):
+def device():
+    """Where this rank's inputs and flag tensors live: its accelerator device (NCCL takes no CPU tensors)."""
+    return get_accelerator().current_device_name()
+
+
+def batch(scenario, rank, step, micro, dtype=torch.float32, device="cpu"):
     """The inputs of one micro-batch: (x, image or None, route)."""
     has_image, route = scenario.usage(rank, step, micro)
     g = torch.Generator().manual_seed(SEED + 1000 * rank + 10 * step + micro)
     x = torch.randn(MICRO_BATCH, HIDDEN, generator=g)
     image = torch.randn(MICRO_BATCH, HIDDEN, generator=g)
-    return x.to(dtype), (image.to(dtype) if has_image else None), route
+    return x.to(device, dtype), (image.to(device, dtype) if has_image else None), route
 
 
 def zero_config(stage, gradient_accumulation_steps=1, bf16=False, **zero_overrides):
@@ -179,8 +185,8 @@ def full_params(model, stage):
     params = list(model.named_parameters())
     if stage == 3:
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: p.detach().float().clone() for n, p in params}
-    return {n: p.detach().float().clone() for n, p in params}
+            return {n: p.detach().float().cpu().clone() for n, p in params}
+    return {n: p.detach().float().cpu().clone() for n, p in params}
 
 
 def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkpoint=False):
@@ -196,7 +202,7 @@ def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkp
     gas = engine.gradient_accumulation_steps()
     for step in range(steps):
         for micro in range(gas):
-            x, image, route = batch(scenario, rank, step, micro, dtype=dtype)
+            x, image, route = batch(scenario, rank, step, micro, dtype=dtype, device=device())
             loss = engine(x, image, route)
             if backward == "torch":
                 loss.backward()
@@ -255,14 +261,14 @@ def assert_lockstep(mine, ref, config, steps, atol=1e-6, rtol=1e-5):
         atol, rtol = 6e-3, 1e-2  # bf16 model weights round at ~2e-3; a lost gradient moves them by ~LR * |g|
     world_size = dist.get_world_size()
     names = sorted(mine)
-    flat = torch.cat([mine[n].flatten() for n in names])
+    flat = torch.cat([mine[n].flatten() for n in names]).to(device())
     gathered = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     differing = [r for r in range(world_size) if not torch.equal(gathered[r], gathered[0])]
     worst = {n: (mine[n] - ref[n].float()).abs().max().item() for n in names}
     far = {n: d for n, d in worst.items() if not torch.allclose(mine[n], ref[n].float(), atol=atol, rtol=rtol)}
     # agree on the verdict so that all ranks raise (or pass) together
-    bad = torch.tensor([float(bool(far))])
+    bad = torch.tensor([float(bool(far))], device=device())
     dist.all_reduce(bad)
     summary = {
         "steps": steps,
@@ -320,4 +326,4 @@ def _record_digest(flat):
     if not out or not test or dist.get_rank() != 0:
         return
     name = re.sub(r"[^A-Za-z0-9_.\[\]-]+", "_", test.split("::", 1)[-1])
-    Path(out, name + ".sha256").write_text(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    Path(out, name + ".sha256").write_text(hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest())

@@ -11,7 +11,7 @@ import torch
 
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, full_params, make_engine,
+from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, device, full_params, make_engine,
                                                   make_model, make_optimizer, reference_training, zero_config)
 
 STEPS = 3
@@ -40,7 +40,7 @@ class TestGradientlessLoss(DistributedTest):
         rank = dist.get_rank()
         engine = make_engine(scenario, config)
         for step in range(STEPS):
-            x, image, route = batch(scenario, rank, step, 0)
+            x, image, route = batch(scenario, rank, step, 0, device=device())
             output = engine(x, image, route)
             # like a masked-out micro-batch: a constant loss, no grad_fn
             loss = torch.zeros_like(output.detach()) if _gradless(rank, step) else output

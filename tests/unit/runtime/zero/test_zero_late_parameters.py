@@ -13,7 +13,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import LR, SCENARIOS, batch, make_model, zero_config
+from unit.runtime.zero.lockstep_scenarios import LR, SCENARIOS, batch, device, make_model, zero_config
 
 CASES = ["attached", "attached_module", "unfrozen", "left_out"]
 
@@ -30,10 +30,10 @@ def _train(stage, case, steps=3, **zero):
         if step == 1 and case == "unfrozen":
             engine.module.image_proj.requires_grad_(True)
         if step == 1 and case == "attached":
-            engine.module.head.scale = torch.nn.Parameter(torch.ones(1))
+            engine.module.head.scale = torch.nn.Parameter(torch.ones(1, device=device()))
         if step == 1 and case == "attached_module":
-            engine.module.extra = torch.nn.Linear(8, 1)
-        x, image, route = batch(scenario, dist.get_rank(), step, 0)
+            engine.module.extra = torch.nn.Linear(8, 1, device=device())
+        x, image, route = batch(scenario, dist.get_rank(), step, 0, device=device())
         loss = engine(x, image, route)
         if hasattr(engine.module, "extra"):
             loss = loss + engine.module.extra(x).pow(2).mean()

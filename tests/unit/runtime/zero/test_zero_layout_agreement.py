@@ -11,7 +11,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import LR, SCENARIOS, batch, make_model, zero_config
+from unit.runtime.zero.lockstep_scenarios import LR, SCENARIOS, batch, device, make_model, zero_config
 
 
 def _train(stage, param_groups_of, steps=2, **zero):
@@ -19,7 +19,7 @@ def _train(stage, param_groups_of, steps=2, **zero):
     optimizer = torch.optim.SGD(param_groups_of(model), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(stage, **zero))
     for step in range(steps):
-        x, image, route = batch(SCENARIOS["uniform"], dist.get_rank(), step, 0)
+        x, image, route = batch(SCENARIOS["uniform"], dist.get_rank(), step, 0, device=device())
         engine.backward(engine(x, image, route))
         engine.step()
 

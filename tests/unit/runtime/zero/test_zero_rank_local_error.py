@@ -8,7 +8,7 @@ import pytest
 
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import SCENARIOS, batch, make_engine, zero_config
+from unit.runtime.zero.lockstep_scenarios import SCENARIOS, batch, device, make_engine, zero_config
 
 
 def _inject_once(optimizer):
@@ -36,7 +36,7 @@ class TestRankLocalErrorBeforeReduction(DistributedTest):
             _inject_once(engine.optimizer)
         with pytest.raises(RuntimeError, match=r"ranks \[1\] hit an error before a gradient reduction") as error:
             for step in range(3):
-                x, image, route = batch(scenario, dist.get_rank(), step, 0)
+                x, image, route = batch(scenario, dist.get_rank(), step, 0, device=device())
                 engine.backward(engine(x, image, route))
                 engine.step()
         if dist.get_rank() == 1:

@@ -24,7 +24,7 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, assert_lockstep, full_params,
+from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, assert_lockstep, device, full_params,
                                                   reference_training, zero_config)
 
 HIDDEN = 16
@@ -134,12 +134,12 @@ def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
 
 
-def batch(variant, rank, step, dtype=torch.float32):
+def batch(variant, rank, step, dtype=torch.float32, device="cpu"):
     route, boost, has_image, has_badge = variant.usage(rank, step)
     g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
-    x = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(dtype)
-    image = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(dtype) if has_image else None
-    badge = torch.randn(MICRO_BATCH, 4, generator=g).to(dtype) if has_badge else None
+    x = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(device, dtype)
+    image = torch.randn(MICRO_BATCH, HIDDEN, generator=g).to(device, dtype) if has_image else None
+    badge = torch.randn(MICRO_BATCH, 4, generator=g).to(device, dtype) if has_badge else None
     return x, route, boost, image, badge
 
 
@@ -191,7 +191,7 @@ def run_7844(variant_name, bf16=False, out=sys.stdout, **zero):
     phases = Phases(rank, out=out)
     try:
         for step in range(ITERATIONS):
-            x, route, boost, image, badge = batch(variant, rank, step, dtype)
+            x, route, boost, image, badge = batch(variant, rank, step, dtype, device=device())
             phases.mark(step, route, "forward")
             loss = engine(x, route, boost, image, badge)
             phases.mark(step, route, "backward")
@@ -202,7 +202,7 @@ def run_7844(variant_name, bf16=False, out=sys.stdout, **zero):
     finally:
         phases.stop()
     # every rank reached step_end of every iteration
-    ends = torch.tensor([sum(1 for _, phase in phases.log if phase == "step_end")])
+    ends = torch.tensor([sum(1 for _, phase in phases.log if phase == "step_end")], device=device())
     gathered = [torch.zeros_like(ends) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, ends)
     assert all(int(t) == ITERATIONS for t in gathered), f"step_end counts per rank: {[int(t) for t in gathered]}"
