@@ -319,11 +319,16 @@ ZERO3_CONFIGS.update({
 
 
 def _record_digest(flat):
-    """With $LOCKSTEP_RECORD_DIR set (scripts/fork.py verify does), rank 0 writes a digest of the final
-    parameters per test, so that runs against upstream and the fork can be compared bit for bit."""
+    record_for_verify(hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest())
+
+
+def record_for_verify(text):
+    """With $LOCKSTEP_RECORD_DIR set (scripts/fork.py verify does), rank 0 writes ``text`` (a digest of the
+    final parameters, or counts) for the running test, so that runs against upstream and the fork can be
+    compared exactly ("same numbers" in the verify table)."""
     out = os.environ.get("LOCKSTEP_RECORD_DIR")
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     if not out or not test or dist.get_rank() != 0:
         return
     name = re.sub(r"[^A-Za-z0-9_.\[\]-]+", "_", test.split("::", 1)[-1])
-    Path(out, name + ".sha256").write_text(hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest())
+    Path(out, name + ".sha256").write_text(text)

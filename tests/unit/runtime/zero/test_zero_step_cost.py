@@ -1,0 +1,167 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+"""What the ranks must decide together costs nothing when they agree, and nothing is decided inside a
+forward: a forward that some ranks run alone (an evaluation or sample generation on rank 0) works whenever
+0.19.8 runs it.
+
+- TestRankLocalForward: rank 0 alone runs an evaluation forward (eval mode, no_grad) after the first
+  steps, or before the first one, then every rank trains on. Oracle: every rank finishes within the
+  deadline, parameters identical across ranks and equal to a plain-PyTorch reference of the training alone.
+- TestStepCost: counts, per forward, backward and optimizer step of steady-state training with uniform
+  usage, the collectives DeepSpeed issues and the host reads of tensor values its code makes (``item``,
+  ``tolist``, ``bool``, ``int``, ``float``: each a host-device sync on an accelerator). A forward whose
+  parameters are all resident issues none; every steady step costs the same on every rank. The counts are
+  recorded for scripts/fork.py verify, which compares them with vanilla 0.19.8's ("same numbers").
+"""
+
+import contextlib
+import json
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, device, full_params, make_engine,
+                                                  record_for_verify, train_reference, zero_config)
+
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "reduce_scatter_fn", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn",
+               "broadcast", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv")
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__")
+
+
+class CostRecorder:
+    """Counts collectives (through deepspeed.comm's backend, the outermost call only) and host reads of
+    tensor values made by DeepSpeed's own code, per named phase."""
+
+    def __init__(self):
+        self.counts = Counter()
+        self.phase = None
+        self._depth = 0
+        self._undo = []
+        backend = deepspeed.comm.comm.cdb
+        for name in COLLECTIVES:
+            if getattr(backend, name, None) is not None:
+                self._wrap(backend, name, self._collective(name, getattr(backend, name)))
+        for name in HOST_READS:
+            self._wrap(torch.Tensor, name, self._host_read(name, getattr(torch.Tensor, name)))
+
+    def _wrap(self, owner, name, replacement):
+        self._undo.append((owner, name, owner.__dict__.get(name, None), name in owner.__dict__))
+        setattr(owner, name, replacement)
+
+    def _collective(self, name, fn):
+
+        def counted(*args, **kwargs):
+            self._depth += 1
+            try:
+                if self._depth == 1 and self.phase:
+                    self.counts[(self.phase, "collective", name)] += 1
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def _host_read(self, name, fn):
+
+        def counted(tensor, *args, **kwargs):
+            if self.phase and "/deepspeed/" in sys._getframe(1).f_code.co_filename:
+                self.counts[(self.phase, "host reads", "")] += 1  # which kind does not matter: one sync each
+            return fn(tensor, *args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def recording(self, phase):
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def of(self, phase):
+        return {f"{kind} {name}".strip(): n for (p, kind, name), n in sorted(self.counts.items()) if p == phase}
+
+    def remove(self):
+        for owner, name, original, had in reversed(self._undo):
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+@pytest.mark.parametrize("when", ["after_steps", "before_first_step"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+class TestRankLocalForward(DistributedTest):
+    world_size = 2
+    exec_timeout = 60
+
+    def test_rank0_evaluates_alone(self, stage, when):
+        scenario = SCENARIOS["uniform"]
+        config = zero_config(stage)
+        engine = make_engine(scenario, config)
+        rank = dist.get_rank()
+        steps, evaluate_at = 5, (3 if when == "after_steps" else 0)
+        for step in range(steps):
+            if step == evaluate_at and rank == 0:
+                engine.eval()
+                with torch.no_grad():
+                    x, image, route = batch(scenario, rank, 100, 0, device=device())
+                    engine(x, image, route)
+                engine.train()
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward(engine(x, image, route))
+            engine.step()
+        mine = full_params(engine.module, stage)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), steps), config, steps)
+
+
+@pytest.mark.parametrize("zero", [
+    dict(stage=1),
+    dict(stage=2, overlap_comm=True),
+    dict(stage=2, bf16=True),
+    dict(stage=3),
+    dict(stage=3, stage3_param_persistence_threshold=0),
+],
+                         ids=["zero1", "zero2", "zero2-bf16", "zero3", "zero3-fetched"])
+class TestStepCost(DistributedTest):
+    world_size = 2
+    exec_timeout = 60
+
+    def test_steady_state_counts(self, zero):
+        zero = dict(zero)
+        stage, bf16 = zero.pop("stage"), zero.pop("bf16", False)
+        scenario = SCENARIOS["uniform"]
+        engine = make_engine(scenario, zero_config(stage, bf16=bf16, **zero))
+        dtype = next(engine.module.parameters()).dtype
+        rank, warmup, steps = dist.get_rank(), 2, 3
+        recorder = CostRecorder()
+        try:
+            per_step = []
+            for step in range(warmup + steps):
+                x, image, route = batch(scenario, rank, step, 0, dtype=dtype, device=device())
+                recorder.counts.clear()
+                with recorder.recording("forward"):
+                    loss = engine(x, image, route)
+                with recorder.recording("backward"):
+                    engine.backward(loss)
+                with recorder.recording("step"):
+                    engine.step()
+                if step >= warmup:
+                    per_step.append({phase: recorder.of(phase) for phase in ("forward", "backward", "step")})
+        finally:
+            recorder.remove()
+        steady = per_step[0]
+        assert all(counts == steady for counts in per_step), f"steady steps differ: {per_step}"
+        resident = stage != 3 or zero.get("stage3_param_persistence_threshold", 1) != 0
+        if resident:
+            assert steady["forward"] == {}, f"a forward of resident parameters issued {steady['forward']}"
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, steady)
+        assert all(g == steady for g in gathered), f"ranks differ: {gathered}"
+        record_for_verify(json.dumps(steady, sort_keys=True))
