@@ -44,7 +44,7 @@ def run_once(python, case, args, out):
         str(args.batch), "--dtype", args.dtype, "--overlap-comm",
         str(int(args.overlap_comm)), "--contiguous-gradients",
         str(int(args.contiguous_gradients)), "--bucket-size",
-        str(args.bucket_size), "--warmup",
+        str(args.bucket_size), "--registration", args.registration, "--warmup",
         str(args.warmup), "--steps",
         str(args.steps)
     ]
@@ -87,7 +87,8 @@ def markdown(results, args, machine):
     lines = [
         f"Machine: {machine}. World size {args.world_size}, {args.dtype}, hidden {args.hidden}, {args.layers} "
         f"blocks, seq {args.seq}, micro-batch {args.batch}, overlap_comm={bool(args.overlap_comm)}, "
-        f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}; "
+        f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}, "
+        f"{args.registration} registration order; "
         f"{args.reps} interleaved repetitions x {args.steps} timed steps after {args.warmup} warm-up steps.", "",
         f"| stage | usage | upstream step (ms) | fork step (ms) | fork/upstream time | fork spread (ms) | "
         f"upstream {mem_name} (MiB) | fork (MiB) | fork/upstream memory | collectives/step upstream | fork | "
@@ -166,6 +167,10 @@ def main():
     p.add_argument("--overlap-comm", action="store_true")
     p.add_argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false")
     p.add_argument("--bucket-size", type=int, default=500_000_000)
+    p.add_argument("--registration",
+                   choices=["forward", "reversed"],
+                   default="forward",
+                   help="module registration order: 'reversed' registers the blocks last-used first")
     p.add_argument("--fork-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--upstream-python", help="default: the venv scripts/fork.py verify uses (created if missing)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "lockstep" / "out"))

@@ -42,22 +42,26 @@ def build_model(args):
     class Model(torch.nn.Module):
         """A stack of MLP blocks; the LLaVA-like variant adds an image projector used on image batches."""
 
-        def __init__(self, d, layers):
+        def __init__(self, d, layers, reversed_registration):
             super().__init__()
             self.image_proj = torch.nn.Linear(d, d)
             self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
             self.head = torch.nn.Linear(d, 1)
+            if reversed_registration:  # registered last-used first, like models that define the head first
+                self.order = list(range(layers))
+                self.blocks = torch.nn.ModuleList(reversed(list(self.blocks)))
+                self.order.reverse()
 
         def forward(self, x, image=None):
             h = x
             if image is not None:
                 h = h + self.image_proj(image)
-            for block in self.blocks:
-                h = block(h)
+            for i in getattr(self, "order", range(len(self.blocks))):
+                h = self.blocks[i](h)
             return self.head(h).pow(2).mean()
 
     torch.manual_seed(0)
-    return Model(args.hidden, args.layers)
+    return Model(args.hidden, args.layers, args.registration == "reversed")
 
 
 def rank_main(args):
@@ -166,6 +170,7 @@ def main():
     p.add_argument("--overlap-comm", type=int, default=0)
     p.add_argument("--contiguous-gradients", type=int, default=1)
     p.add_argument("--bucket-size", type=int, default=500_000_000)
+    p.add_argument("--registration", choices=["forward", "reversed"], default="forward")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--deadline", type=float, default=600)
