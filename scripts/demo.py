@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The fork's main job, shown end to end: train a tiny LLaVA-like model with ZeRO on several CPU ranks
 (gloo) and report, per scenario and stage, whether every rank finished every step within the deadline,
 whether the parameters are identical across ranks, and how far they are from a plain-PyTorch reference.

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The lockstep fork is a patch queue over one pinned upstream DeepSpeed release.
 
 Nothing of upstream is committed. upstream.toml pins the PyPI sdist by version and sha256;

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """PEP 517/660 in-tree build backend: upstream DeepSpeed + patches/, built by upstream's setup.py.
 
 Every hook first makes sure tree/ is materialized (scripts/fork.py), then runs setuptools'

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """`scripts/fork.py verify`: run the same tests against vanilla upstream and against the fork.
 
 Vanilla upstream lives in its own venv (.cache/venv-upstream-<version>: torch==2.13.0 plus the pinned

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """pytest hooks that hand DistributedTest / DistributedFixture classes to the harness in unit/common.py."""
 
 import os

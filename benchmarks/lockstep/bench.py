@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Fork vs upstream: step time, peak memory and collectives per step, in one invocation.
 
 For every case (ZeRO stage x usage), runs benchmarks/lockstep/worker.py with the fork's interpreter
@@ -8,7 +10,7 @@ For every case (ZeRO stage x usage), runs benchmarks/lockstep/worker.py with the
 `scripts/fork.py verify` or on first use), interleaved and alternating which goes first, --reps times
 after a warm-up run each. Reports the median step time (median over repetitions of each run's median
 step), its spread (min-max of the per-run medians), peak memory (max RSS over ranks on CPU; max CUDA
-memory allocated on GPU), collectives per step (counted by wrapping torch.distributed's collectives),
+memory allocated on GPU), collectives per step (counted by wrapping deepspeed.comm's backend collectives),
 the ratios fork/upstream and fork divergent/fork uniform, and whether the final parameters are
 bit-identical fork vs upstream (uniform usage) in every repetition. Writes a markdown table and a PNG
 plot; exits 1 when uniform usage gives different parameters.

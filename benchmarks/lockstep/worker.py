@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """One benchmark run with whatever deepspeed the running interpreter has (upstream or the fork).
 
 Started by bench.py once per (side, repetition). Launches the ranks through the test harness

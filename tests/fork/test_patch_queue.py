@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """scripts/fork.py on a scratch copy of the repository: sync -> edit -> commit -> export -> fresh sync
 round-trips a patch, export is deterministic, status/sync protect unexported work, check passes."""
 

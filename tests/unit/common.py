@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """A hang-proof distributed test harness with upstream DeepSpeed's `unit.common` API.
 
 Test files written for upstream's harness run here unchanged: `DistributedTest` (class attributes

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The harness's own tests: a planted hang is reported as a hang with every rank's stack within the
 deadline, a rank exception is reported with its traceback and releases the other ranks, skips
 propagate, no process outlives its test, and a hanging test fails without stopping the session."""

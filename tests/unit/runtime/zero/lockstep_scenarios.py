@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Training scenarios with rank-dependent parameter usage, and their independent oracle.
 
 Every scenario trains a tiny LLaVA-like model with DeepSpeed on each rank and checks, on all ranks
@@ -10,14 +12,14 @@ together (so they fail together):
      find_unused_parameters=True computes), then applying the same optimizer.
 The reference knows nothing of ZeRO: a gradient that is dropped, mixed up with another parameter's
 or reduced twice moves the parameters by about the learning rate, far above the tolerance.
-Used by tests/unit/runtime/zero/test_*lockstep*.py and by scripts/demo.py.
+Used by tests/unit/runtime/zero/test_*lockstep*.py and the other ZeRO tests next to it.
 """
 
-import hashlib
-import os
-import re
+import hashlib  # fork-only
+import os  # fork-only
+import re  # fork-only
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path  # fork-only
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -37,7 +39,8 @@ CLIP = 1.0  # global-norm clipping, so the norm collectives are part of every ch
 
 class TinyLlava(torch.nn.Module):
     """A text path every batch uses, an image projector used only on batches with an image, and two
-    equal-size branches chosen by a per-batch route ('a', 'b', 'ab' or 'ba': the order they run in)."""
+    equal-size branches chosen by a per-batch route: the branches it runs, in order ("a", "b", or both in
+    either order)."""
 
     def __init__(self, hidden=HIDDEN, checkpoint=False):
         super().__init__()
@@ -93,7 +96,7 @@ SCENARIOS: Dict[str, Scenario] = {
         Scenario("llava_per_micro_step", "image batches change with rank and micro-step", lambda r, s, m:
                  ((r + s + m) % 2 == 0, "ab")),
         Scenario("order_divergent", "odd ranks run the same two branches in the opposite order", lambda r, s, m:
-                 (True, "ab" if r % 2 == 0 else "ba")),
+                 (True, "ab" if r % 2 == 0 else ("b", "a"))),
         Scenario("equal_size_branches", "even ranks use branch a, odd ranks the equal-size branch b", lambda r, s, m:
                  (True, "a" if r % 2 == 0 else "b")),
         Scenario("no_hook_rank",
@@ -275,7 +278,7 @@ def assert_lockstep(mine, ref, config, steps, atol=1e-6, rtol=1e-5):
         "identical_across_ranks": not differing,
         "max_abs_diff_vs_reference": max(worst.values()),
     }
-    _record_digest(flat)
+    _record_digest(flat)  # fork-only
     assert not differing, f"parameters differ from rank 0's on ranks {differing}"
     assert bad.item() == 0, (f"parameters differ from the plain-PyTorch reference on {int(bad.item())} rank(s); "
                              f"here: {far}")
@@ -318,6 +321,7 @@ ZERO3_CONFIGS.update({
 })
 
 
+# fork-only: begin (scripts/fork.py verify compares recorded digests; `fork.py pr` leaves this out)
 def _record_digest(flat):
     record_for_verify(hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest())
 
@@ -332,3 +336,6 @@ def record_for_verify(text):
         return
     name = re.sub(r"[^A-Za-z0-9_.\[\]-]+", "_", test.split("::", 1)[-1])
     Path(out, name + ".sha256").write_text(text)
+
+
+# fork-only: end

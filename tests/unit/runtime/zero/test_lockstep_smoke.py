@@ -1,8 +1,10 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Uniform usage trains identically on every rank and matches the plain-PyTorch reference (ZeRO 1/2/3).
 
-This is the baseline the lockstep tests build on: it must pass on upstream 0.19.8 as on the fork."""
+This is the baseline the lockstep tests build on: it passes with or without rank-invariant reduction."""
 
 import pytest
 

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """#7844: a ZeRO-3 run stuck in engine.step() at step 0. The testcase (zero3_7844.py) is shaped like the
 report: six iterations, a route per step and rank, step_begin/step_end markers, a heartbeat and a watchdog.
 Every rank must reach step_end of all six iterations within the deadline, with parameters identical across

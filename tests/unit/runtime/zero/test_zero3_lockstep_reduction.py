@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-3 gradient reduction and parameter fetching must issue the same collectives on every rank whatever
 each rank's data did (#7844). Same scenarios and oracle as the ZeRO-1/2 tests (lockstep_scenarios.py):
 every rank finishes within the deadline, the parameters are identical across ranks and they equal a

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """A rank whose loss has no gradient at one step (e.g. every label of its micro-batch masked, so the loss is
 a constant) must take part in that step with zero gradients instead of failing alone in engine.backward
 while the other ranks wait in their gradient reductions. Oracle: every rank finishes within the deadline,

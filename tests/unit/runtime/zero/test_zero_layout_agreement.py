@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Ranks that build different optimizer layouts must fail together at deepspeed.initialize, with an error
 naming the first difference, instead of hanging in step() (#7844: per-rank param groups or sub_group_size
 give each rank a different number of norm all-reduces; a per-rank persistence threshold a different
@@ -11,7 +13,8 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import LR, SCENARIOS, batch, device, make_model, zero_config
+from unit.runtime.zero.lockstep_scenarios import (LR, SCENARIOS, assert_lockstep, batch, device, full_params,
+                                                  make_model, reference_training, zero_config)
 
 
 def _train(stage, param_groups_of, steps=2, **zero):
@@ -22,6 +25,7 @@ def _train(stage, param_groups_of, steps=2, **zero):
         x, image, route = batch(SCENARIOS["uniform"], dist.get_rank(), step, 0, device=device())
         engine.backward(engine(x, image, route))
         engine.step()
+    return engine
 
 
 def _one_group(model):
@@ -60,4 +64,10 @@ class TestPerRankZero3Settings(DistributedTest):
         assert setting in str(error.value)
 
     def test_same_layout_trains(self):
-        _train(3, _one_group, sub_group_size=100)
+        """The check lets equal layouts through, also with several sub-groups: training matches the reference."""
+        steps = 2
+        engine = _train(3, _one_group, steps=steps, sub_group_size=100)
+        model = make_model(SCENARIOS["uniform"])
+        ref = reference_training(model, torch.optim.SGD(_one_group(model), lr=LR), dist.get_world_size(), steps, 1,
+                                 lambda r, s, m: model(*batch(SCENARIOS["uniform"], r, s, m)))
+        assert_lockstep(full_params(engine.module, 3), ref, zero_config(3), steps)

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """ZeRO-1/2 gradient reduction must issue the same collectives on every rank whatever each rank's data
 did (#4933, #7991, #2343). Each case trains on every rank and checks that every rank finishes within the
 deadline, that the parameters are identical across ranks and that they equal a plain-PyTorch reference
@@ -50,14 +52,14 @@ class TestEpilogueTrigger(DistributedTest):
 @pytest.mark.parametrize("stage", [1, 2])
 class TestShape7991(DistributedTest):
     """LLaVA-style optimizer groups plus a group so small that most ranks own only padding, and a branch
-    taken by two ranks only at step 9 (the shape of #7991, at 4 ranks; 16 under -m slow)."""
+    taken by two ranks only at step 9 (the shape of #7991, at 4 ranks; 16 under -m nightly)."""
     world_size = 4
     exec_timeout = 120
 
     def test_lockstep(self, stage):
         check_lockstep("shape_7991", zero_config(stage, overlap_comm=True, reduce_bucket_size=100), steps=10)
 
-    @pytest.mark.slow
+    @pytest.mark.nightly
     @pytest.mark.world_size(16)
     def test_lockstep_16_ranks(self, stage):
         check_lockstep("shape_7991", zero_config(stage, overlap_comm=True, reduce_bucket_size=100), steps=10)

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Stream order of the gradient reduction on CUDA: a slow reduction stream must not change the numbers.
 
 ZeRO reduces gradients on a side stream (ZeRO-1/2 with overlap_comm: the reduction stream; ZeRO-3: the
@@ -165,7 +167,7 @@ def check(stage, dtype, usage, zero):
 
 
 pytestmark = pytest.mark.skipif(get_accelerator().device_name() == "cpu",
-                                reason="streams are no-ops on the CPU accelerator: run on a GPU (scripts/test-gpu.sh)")
+                                reason="streams are no-ops on the CPU accelerator: run on a GPU")
 
 ZERO12 = {
     f"contig{int(c)}-rs{int(r)}-{b}":

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The reduction plan is cut at initialization in reverse registration order. A model whose modules are
 registered in another order than backward reaches them (many Hugging Face models) would hold its early
 gradients in .grad until their bucket is next, and launch most buckets at the end of backward: no

@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """What the ranks must decide together costs nothing when they agree, and nothing is decided inside a
 forward: a forward that some ranks run alone (an evaluation or sample generation on rank 0) works whenever
 0.19.8 runs it.
@@ -10,12 +12,11 @@ forward: a forward that some ranks run alone (an evaluation or sample generation
 - TestStepCost: counts, per forward, backward and optimizer step of steady-state training with uniform
   usage, the collectives DeepSpeed issues and the host reads of tensor values its code makes (``item``,
   ``tolist``, ``bool``, ``int``, ``float``: each a host-device sync on an accelerator). A forward whose
-  parameters are all resident issues none; every steady step costs the same on every rank. The counts are
-  recorded for scripts/fork.py verify, which compares them with vanilla 0.19.8's ("same numbers").
+  parameters are all resident issues none; every steady step costs the same on every rank.
 """
 
 import contextlib
-import json
+import json  # fork-only
 import sys
 from collections import Counter
 
@@ -26,7 +27,8 @@ import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, device, full_params, make_engine,
-                                                  record_for_verify, train_reference, zero_config)
+                                                  train_reference, zero_config)
+from unit.runtime.zero.lockstep_scenarios import record_for_verify  # fork-only
 
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_fn", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn",
@@ -164,4 +166,4 @@ class TestStepCost(DistributedTest):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, steady)
         assert all(g == steady for g in gathered), f"ranks differ: {gathered}"
-        record_for_verify(json.dumps(steady, sort_keys=True))
+        record_for_verify(json.dumps(steady, sort_keys=True))  # fork-only

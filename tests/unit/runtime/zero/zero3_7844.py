@@ -1,5 +1,7 @@
 # Copyright (c) the DeepSpeed lockstep fork authors.
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The #7844 testcase: a ZeRO-3 training loop shaped like the report.
 
 Six iterations; each rank picks a `route` per step and prints `R{rank} STEP{i} route={x} -> forward`,
@@ -9,9 +11,9 @@ fails the test with every rank's stack). After the loop the ranks check together
 `step_end` of every iteration, that the parameters are identical across ranks and that they equal a
 plain-PyTorch reference (gradients averaged over ranks, zeros where a rank produced none).
 
-The variants are the ways rank-dependent data breaks ZeRO-3's collective schedule (see
-../shared/research/zero3-reproductions.md in the fork's workspace and docs/root-causes.md).
-Used by test_zero3_7844.py and scripts/demo.py.
+The variants are the ways rank-dependent data breaks ZeRO-3's collective schedule: a route chosen per
+rank, a parameter used on some ranks only inside a module every rank runs, routes that diverge only after
+the trace was recorded, and modules that run on some ranks only (declared conditional, or resident).
 """
 
 import sys
@@ -121,12 +123,8 @@ VARIANTS = {
 def make_model(variant):
     torch.manual_seed(SEED)
     model = RouteNet()
-    # the fork's declaration; upstream 0.19.8 has none, and runs the variant undeclared
-    register = getattr(deepspeed.zero, "register_conditional_module", None)
-    assert register is not None or "lockstep" not in deepspeed.__version__, "the fork lost its declaration API"
     for name in variant.conditional:
-        if register is not None:
-            register(getattr(model, name))
+        deepspeed.zero.register_conditional_module(getattr(model, name))
     return model
 
 
@@ -201,11 +199,12 @@ def run_7844(variant_name, bf16=False, out=sys.stdout, **zero):
             phases.mark(step, route, "step_end")
     finally:
         phases.stop()
-    # every rank reached step_end of every iteration
+    # Every rank reached step_end of every iteration, or the harness deadline fails the test with each rank's
+    # stack. The counts are gathered for the report (the demo prints them), not checked: once every rank is
+    # here, they cannot differ.
     ends = torch.tensor([sum(1 for _, phase in phases.log if phase == "step_end")], device=device())
     gathered = [torch.zeros_like(ends) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, ends)
-    assert all(int(t) == ITERATIONS for t in gathered), f"step_end counts per rank: {[int(t) for t in gathered]}"
 
     mine = full_params(engine.module, 3)
     reference_model = make_model(variant)
