@@ -482,6 +482,9 @@ def main(argv=None):
     p = sub.add_parser("verify", help="run tests against vanilla upstream and against the fork; print a table")
     import verify as _verify  # noqa: E402  (scripts/verify.py, stdlib only)
     _verify.add_arguments(p)
+    p = sub.add_parser("pr", help="write the series as upstream pull requests (prs.toml), signed off, and check them")
+    import upstream_pr as _pr  # noqa: E402  (scripts/upstream_pr.py, stdlib only)
+    _pr.add_arguments(p)
     args = parser.parse_args(argv)
     try:
         if args.cmd == "sync":
@@ -499,6 +502,8 @@ def main(argv=None):
             return 0
         if args.cmd == "verify":
             return _verify.run(args)
+        if args.cmd == "pr":
+            return _pr.run(args)
     except ForkError as e:
         print(f"fork.py {args.cmd}: {e}", file=sys.stderr)
         return 1

@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 LICENSE_SUFFIXES = (".py", ".c", ".cpp", ".cu", ".cc", ".h", ".hpp", ".cuh", ".hip", ".tr")
-LICENSE_LINES = (re.compile(r"^(#|//) SPDX-License-Identifier: Apache-2\.0( AND BSD-3-Clause)?$", re.M),
-                 re.compile(r"^(#|//) DeepSpeed Team$", re.M))
+LICENSE_LINES = (re.compile(r"^(#|//) SPDX-License-Identifier: Apache-2\.0( AND BSD-3-Clause)?$",
+                            re.M), re.compile(r"^(#|//) DeepSpeed Team$", re.M))
 # upstream's exclusions for these two checks that concern files we can touch
-TORCHDIST_EXCLUDE = re.compile(r"(^|/)(deepspeed/comm/|docs/|benchmarks/|deepspeed/moe/sharded_moe\.py|"
-                               r"deepspeed/runtime/comm/coalesced_collectives\.py|deepspeed/elasticity/elastic_agent\.py|"
-                               r"deepspeed/launcher/launch\.py|tests/unit/comm/test_dist\.py)")
+TORCHDIST_EXCLUDE = re.compile(
+    r"(^|/)(deepspeed/comm/|docs/|benchmarks/|deepspeed/moe/sharded_moe\.py|"
+    r"deepspeed/runtime/comm/coalesced_collectives\.py|deepspeed/elasticity/elastic_agent\.py|"
+    r"deepspeed/launcher/launch\.py|tests/unit/comm/test_dist\.py)")
 TORCHCUDA_EXCLUDE = re.compile(r"(^|/)(accelerator/cuda_accelerator\.py|deepspeed/inference/engine\.py|setup\.py|"
                                r"op_builder/builder\.py)$")
 TORCHDIST = re.compile(r"torch\.distributed |torch\.distributed(?!\.nn)")

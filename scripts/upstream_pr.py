@@ -1,0 +1,257 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""`scripts/fork.py pr`: the series cut into pull requests for upstream DeepSpeed (prs.toml), each written to a
+folder ready to submit, and checked.
+
+Per PR, in <out>/<nn>-<name>/:
+  patches/       the PR's patches, with the author given (--author, or git config user.*) and a DCO
+                 Signed-off-by: trailer, applying to the pinned release after the patches it depends on
+  tests/         its tests and their helpers at their upstream paths, without the fork-only lines (those
+                 ending in `# fork-only`, and `# fork-only: begin` ... `# fork-only: end` blocks)
+  docs/          the upstream documentation fragments (docs/upstream/*), each naming the page it goes into
+  DESCRIPTION.md the PR description: problem, fix (the patches' messages), tests, links, how it was checked
+  PROOF.md       what the checks found
+
+Checks (always): the PR's patches apply (`git am`) to the pinned release after its dependencies; the
+stripped tests compile and hold no fork-only text. With --upstream-repo (a clone of deepspeedai/DeepSpeed):
+the tests run under upstream's own test harness (its tests/conftest.py, tests/pytest.ini, tests/unit/common.py
+and util.py, copied from that clone into a scratch directory, never into this repository) on CPU ranks with
+gloo, against the pinned release with the PR's patches and their dependencies.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path
+
+import fork
+
+ROOT = fork.ROOT
+PRS_FILE = ROOT / "prs.toml"
+HARNESS = ("tests/conftest.py", "tests/pytest.ini", "tests/unit/__init__.py", "tests/unit/common.py",
+           "tests/unit/util.py")
+FORK_ONLY_LINE = re.compile(r".*#\s*fork-only\s*$")
+FORK_ONLY_WORDS = ("fork-only", "lockstep fork", "LOCKSTEP_", "scripts/fork.py")
+
+
+def add_arguments(p):
+    p.add_argument("names", nargs="*", help="PRs to write (default: all in prs.toml)")
+    p.add_argument("--author",
+                   help='"Name <email>" for authorship and the Signed-off-by: trailer '
+                   "(default: this repository's git config user.name / user.email)")
+    p.add_argument("--out", default=str(ROOT / ".cache" / "pr"), help="where the PR folders go")
+    p.add_argument("--upstream-repo", help="a clone of deepspeedai/DeepSpeed: run the tests under its own harness")
+    p.add_argument("--upstream-rev", default="HEAD", help="revision of --upstream-repo to take the harness from")
+
+
+def read_prs():
+    prs = tomllib.loads(PRS_FILE.read_text())["pr"]
+    names = fork.read_series()
+    by_number = {n[:4]: n for n in names}
+    for pr in prs:
+        for key in ("patches", "depends"):
+            missing = [n for n in pr[key] if n not in by_number]
+            if missing:
+                raise fork.ForkError(f"prs.toml: {pr['name']} names patches not in the series: {missing}")
+            pr[key] = [by_number[n] for n in pr[key]]
+    covered = sorted(n for pr in prs for n in pr["patches"])
+    if covered != sorted(names):
+        raise fork.ForkError(f"prs.toml must put every patch of the series in exactly one PR; got {covered}")
+    return prs
+
+
+def author_identity(given):
+    if given:
+        m = re.fullmatch(r"\s*(.+?)\s*<([^<>@\s]+@[^<>\s]+)>\s*", given)
+        if not m:
+            raise fork.ForkError(f'--author must look like "Name <email>", not {given!r}')
+        return m.group(1), m.group(2)
+    name = subprocess.run(["git", "-C", str(ROOT), "config", "user.name"], capture_output=True,
+                          text=True).stdout.strip()
+    email = subprocess.run(["git", "-C", str(ROOT), "config", "user.email"], capture_output=True,
+                           text=True).stdout.strip()
+    if not name or not email:
+        raise fork.ForkError('no author: pass --author "Name <email>" (DCO needs a real identity) or set git config '
+                             "user.name and user.email")
+    return name, email
+
+
+def signed_patch(text, name, email):
+    """A format-patch file with its From: replaced and a Signed-off-by: trailer added to the message."""
+    lines = text.split("\n")
+    out, in_header, signed = [], True, False
+    for line in lines:
+        if in_header and line.startswith("From: "):
+            line = f"From: {name} <{email}>"
+        if in_header and line == "":
+            in_header = False
+        if not in_header and not signed and line == "---":
+            while out and out[-1] == "":
+                out.pop()
+            out += ["", f"Signed-off-by: {name} <{email}>", ""]
+            signed = True
+        out.append(line)
+    if not signed:
+        raise fork.ForkError("a patch has no '---' separator")
+    return "\n".join(out)
+
+
+def strip_fork_only(text):
+    """The file as it goes upstream: fork-only lines and blocks left out, the copyright line neutral."""
+    text = re.sub(r"^# Copyright \(c\) the DeepSpeed lockstep fork authors\.$",
+                  "# Copyright (c) The DeepSpeed Contributors.",
+                  text,
+                  flags=re.M)
+    out, skipping = [], False
+    for line in text.splitlines():
+        if re.search(r"#\s*fork-only:\s*begin", line):
+            skipping = True
+            continue
+        if re.search(r"#\s*fork-only:\s*end", line):
+            skipping = False
+            continue
+        if skipping or FORK_ONLY_LINE.match(line):
+            continue
+        out.append(line)
+    text = "\n".join(out).rstrip("\n") + "\n"
+    return re.sub(r"\n{4,}", "\n\n\n", text)
+
+
+def prove_applies(pr, pin, sdist, patch_dir, tmp):
+    tree = Path(tmp) / "tree"
+    dep_dir = Path(tmp) / "deps"
+    dep_dir.mkdir()
+    for n in pr["depends"]:
+        shutil.copy(fork.PATCHES / n, dep_dir / n)
+    for n in pr["patches"]:
+        shutil.copy(patch_dir / n, dep_dir / n)
+    fork.materialize(tree, pin, sdist, pr["depends"] + pr["patches"], source_dir=dep_dir)
+    return tree
+
+
+def run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp):
+    run = Path(tmp) / "run"
+    for rel in HARNESS:
+        content = subprocess.run(["git", "-C", upstream_repo, "show", f"{rev}:{rel}"], capture_output=True)
+        if content.returncode != 0:
+            raise fork.ForkError(f"{upstream_repo} has no {rel} at {rev}")
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_bytes(content.stdout)
+    shutil.copytree(folder / "tests", run / "tests", dirs_exist_ok=True)
+    python = ROOT / ".venv" / "bin" / "python"
+    ext = Path(tmp) / "torch-extensions"
+    env = dict(os.environ,
+               PYTHONPATH=str(tree),
+               DS_ACCELERATOR="cpu",
+               LOCAL_SIZE="4",
+               OMP_NUM_THREADS="1",
+               TORCH_EXTENSIONS_DIR=str(ext))
+    # upstream's harness gives a test its deadline (and ends the session when it expires) while the first
+    # test JIT-builds DeepSpeed's CPU comm op: build it first, outside any deadline
+    build = ("from deepspeed.accelerator import get_accelerator\n"
+             "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+             "b.load(verbose=False) if b is not None and b.is_compatible() else None\n")
+    subprocess.run([str(python), "-c", build], env=env, capture_output=True)
+    tests = [str(Path(t).relative_to("tests")) for t in pr["tests"]]
+    p = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", *tests],
+                       cwd=run / "tests",
+                       env=env,
+                       capture_output=True,
+                       text=True)
+    lines = (p.stdout + p.stderr).splitlines()
+    summary = [l for l in lines if re.search(r"\d+ (passed|failed|skipped|error)", l)] or lines[-3:]
+    failures = [l for l in lines if l.startswith(("FAILED", "ERROR"))]
+    return p.returncode, summary[-1] if summary else "", failures
+
+
+def write_pr(index, pr, author, out, pin, sdist, upstream_repo, rev):
+    name, email = author
+    folder = Path(out) / f"{index:02d}-{pr['name']}"
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "patches").mkdir(parents=True)
+    messages = []
+    for n in pr["patches"]:
+        text = signed_patch((fork.PATCHES / n).read_text(), name, email)
+        (folder / "patches" / n).write_text(text)
+        body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
+        subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", text, re.M).group(1)
+        messages.append((n, subject, body.strip()))
+    problems = []
+    for rel in pr["tests"] + pr["helpers"]:
+        src = ROOT / rel
+        stripped = strip_fork_only(src.read_text())
+        target = folder / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(stripped)
+        left = [w for w in FORK_ONLY_WORDS if w in stripped]
+        if left:
+            problems.append(f"{rel}: fork-only text left after stripping: {left}")
+        try:
+            compile(stripped, rel, "exec")
+        except SyntaxError as error:
+            problems.append(f"{rel}: does not compile once stripped: {error}")
+    for rel in pr["docs"]:
+        target = folder / "docs" / Path(rel).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, target)
+    proof = [f"# Checks for PR {index:02d} {pr['name']}", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            tree = prove_applies(pr, pin, sdist, folder / "patches", tmp)
+            proof.append(f"- applies to {pin['name']} {pin['version']} (sdist sha256 {pin['sdist_sha256'][:12]}...)"
+                         f" after {len(pr['depends'])} patch(es) it depends on: yes")
+        except fork.ForkError as error:
+            problems.append(f"does not apply: {error}")
+            tree = None
+        if tree is not None and upstream_repo:
+            code, summary, failures = run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp)
+            proof.append(f"- tests under upstream's harness ({upstream_repo} at {rev}; CPU, gloo, LOCAL_SIZE=4): "
+                         f"{summary or 'no summary'}")
+            proof += [f"  - {f}" for f in failures]
+            if code not in (0, 5):
+                problems.append(f"tests fail under upstream's harness: {summary}")
+        elif tree is not None:
+            proof.append("- tests under upstream's harness: not run (no --upstream-repo)")
+    proof += [f"- problem: {p}" for p in problems] or ["- problems: none"]
+    (folder / "PROOF.md").write_text("\n".join(proof) + "\n")
+    description = [
+        f"# {pr['title']}", "", *(f"Fixes {link}" for link in pr["links"]), "", "## Problem and fix", "",
+        pr["summary"].strip(), "", "## Patches", ""
+    ]
+    for n, subject, body in messages:
+        description += [f"### {subject}", "", body, ""]
+    description += ["## Tests", ""]
+    description += [f"- `{t}`" for t in pr["tests"]]
+    if pr["depends"]:
+        description += ["", "## Depends on", "", "Applies after: " + ", ".join(f"`{n}`" for n in pr["depends"])]
+    description += [
+        "", "## How it was checked", "", "- `pre-commit` hooks of the repository (yapf, flake8, codespell, license, "
+        "torchdist, torchcuda) on the changed files", "- " + "\n- ".join(proof[2:])
+    ]
+    (folder / "DESCRIPTION.md").write_text("\n".join(description) + "\n")
+    return folder, problems
+
+
+def run(args):
+    prs = read_prs()
+    wanted = set(args.names) if args.names else {pr["name"] for pr in prs}
+    unknown = wanted - {pr["name"] for pr in prs}
+    if unknown:
+        raise fork.ForkError(f"no such PR in prs.toml: {sorted(unknown)}")
+    author = author_identity(args.author)
+    pin = fork.read_pin()
+    sdist = fork.obtain_sdist(pin)
+    status = 0
+    for index, pr in enumerate(prs, 1):
+        if pr["name"] not in wanted:
+            continue
+        folder, problems = write_pr(index, pr, author, args.out, pin, sdist, args.upstream_repo, args.upstream_rev)
+        print(f"pr: {folder.relative_to(Path(args.out).parent)}: "
+              f"{'ok' if not problems else '; '.join(problems)}")
+        status |= bool(problems)
+    return status
