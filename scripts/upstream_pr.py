@@ -163,7 +163,7 @@ def run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp):
                        env=env,
                        capture_output=True,
                        text=True)
-    lines = (p.stdout + p.stderr).splitlines()
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr).splitlines()  # upstream's conftest forces color
     summary = [l for l in lines if re.search(r"\d+ (passed|failed|skipped|error)", l)] or lines[-3:]
     failures = [l for l in lines if l.startswith(("FAILED", "ERROR"))]
     return p.returncode, summary[-1] if summary else "", failures
