@@ -208,6 +208,13 @@ def _rank_main(spec):
     tmp = workdir / f"rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))
     tmp.rename(workdir / f"rank{rank}.json")
+    if result["status"] == "skipped":
+        # A rank that skips right after init must not close its connections while a peer is still setting up
+        # the process group (gloo's connectFullMesh then fails on that peer): wait, bounded, for the others.
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(
+            (workdir / f"rank{r}.json").exists() for r in range(spec["world_size"])):
+            time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: it can block on a dead peer

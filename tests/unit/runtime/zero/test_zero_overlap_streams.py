@@ -21,6 +21,7 @@ Needs CUDA streams: on the CPU accelerator streams are no-ops and nothing can ra
 The ranks share one GPU over gloo when there are fewer GPUs than ranks (tests/unit/common.py).
 """
 
+import os  # fork-only
 import pytest
 import torch
 
@@ -166,6 +167,27 @@ def check(stage, dtype, usage, zero):
     assert_lockstep(delayed, ref, config, STEPS)
 
 
+# fork-only: begin (LOCKSTEP_GPU_REPEAT_INSIDE=N, for the GPU verify runs of docs/verify/gpu.md: each case N
+# times in the same ranks, a fresh engine and model each time, every repetition against the same oracles)
+REPEAT_INSIDE = int(os.environ.get("LOCKSTEP_GPU_REPEAT_INSIDE", "1"))
+check_once = check
+
+
+def check(stage, dtype, usage, zero):
+    for repetition in range(1, REPEAT_INSIDE + 1):
+        if REPEAT_INSIDE > 1:
+            print(f"repetition {repetition} of {REPEAT_INSIDE}", flush=True)  # in the rank's output on a hang
+        try:
+            check_once(stage, dtype, usage, zero)
+        except AssertionError as error:
+            raise AssertionError(f"repetition {repetition} of {REPEAT_INSIDE}: {error}") from error
+        except Exception as error:
+            error.add_note(f"repetition {repetition} of {REPEAT_INSIDE}")
+            raise
+
+
+# fork-only: end
+
 pytestmark = pytest.mark.skipif(get_accelerator().device_name() == "cpu",
                                 reason="streams are no-ops on the CPU accelerator: run on a GPU")
 
@@ -195,6 +217,7 @@ ZERO3 = {
 class TestSlowReductionStreamZero12(DistributedTest):
     world_size = 2
     exec_timeout = 120
+    exec_timeout *= REPEAT_INSIDE  # fork-only
 
     def test_same_parameters_as_without_overlap(self, stage, config, dtype, usage):
         check(stage, dtype, usage, ZERO12[config])
@@ -206,6 +229,7 @@ class TestSlowReductionStreamZero12(DistributedTest):
 class TestSlowReduceScatterStreamZero3(DistributedTest):
     world_size = 2
     exec_timeout = 120
+    exec_timeout *= REPEAT_INSIDE  # fork-only
 
     def test_same_parameters_as_without_delay(self, config, dtype, usage):
         check(3, dtype, usage, ZERO3[config])

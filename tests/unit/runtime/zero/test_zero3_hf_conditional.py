@@ -1,0 +1,151 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Real Hugging Face models (tiny configs, random weights, nothing downloaded) whose modules run on some
+data-parallel ranks only, with no declaration: LLaVA with images on rank 0 and text only on rank 1 (the
+vision tower and projector are skipped there), Switch Transformers with per-expert modules that run only
+when tokens are routed to them, and Mixtral (stacked experts, every rank runs every module). Oracles:
+every rank finishes within the deadline, parameters identical across ranks and equal to a plain-PyTorch
+reference (a gradient missing on a rank counts as zero), and ZeRO-3 parameters partitioned at rest."""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, assert_lockstep, device, full_params,
+                                                  reference_training, zero_config)
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_SIZE, PATCH = 8, 4
+
+
+def _llava():
+    vision = transformers.CLIPVisionConfig(hidden_size=16,
+                                           intermediate_size=32,
+                                           num_hidden_layers=1,
+                                           num_attention_heads=2,
+                                           image_size=IMAGE_SIZE,
+                                           patch_size=PATCH,
+                                           projection_dim=16)
+    text = transformers.LlamaConfig(hidden_size=16,
+                                    intermediate_size=32,
+                                    num_hidden_layers=1,
+                                    num_attention_heads=2,
+                                    num_key_value_heads=2,
+                                    vocab_size=VOCAB,
+                                    max_position_embeddings=64)
+    config = transformers.LlavaConfig(vision_config=vision,
+                                      text_config=text,
+                                      image_token_id=IMAGE_TOKEN,
+                                      vision_feature_layer=-1)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+def _llava_batch(rank, step):
+    """Rank 0 gets an image (its tokens first), the other ranks text only."""
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    text = torch.randint(0, VOCAB - 2, (1, 6), generator=g)
+    if rank != 0:
+        return dict(input_ids=text, labels=text)
+    image_tokens = torch.full((1, (IMAGE_SIZE // PATCH)**2), IMAGE_TOKEN)
+    ids = torch.cat([image_tokens, text], dim=1)
+    labels = torch.cat([torch.full_like(image_tokens, -100), text], dim=1)
+    return dict(input_ids=ids, labels=labels, pixel_values=torch.randn(1, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g))
+
+
+def _switch():
+    config = transformers.SwitchTransformersConfig(vocab_size=VOCAB,
+                                                   d_model=16,
+                                                   d_kv=8,
+                                                   d_ff=32,
+                                                   num_layers=2,
+                                                   num_decoder_layers=2,
+                                                   num_heads=2,
+                                                   num_experts=4,
+                                                   expert_capacity=64,
+                                                   num_sparse_encoder_layers=1,
+                                                   num_sparse_decoder_layers=1,
+                                                   dropout_rate=0.0,
+                                                   router_jitter_noise=0.0,
+                                                   decoder_start_token_id=0,
+                                                   pad_token_id=0,
+                                                   eos_token_id=1)
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+def _seq2seq_batch(rank, step):
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    return dict(input_ids=torch.randint(2, VOCAB, (1, 5), generator=g),
+                labels=torch.randint(2, VOCAB, (1, 3), generator=g))
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(vocab_size=VOCAB,
+                                        hidden_size=16,
+                                        intermediate_size=32,
+                                        num_hidden_layers=1,
+                                        num_attention_heads=2,
+                                        num_key_value_heads=2,
+                                        num_local_experts=4,
+                                        num_experts_per_tok=2,
+                                        max_position_embeddings=64)
+    return transformers.MixtralForCausalLM(config)
+
+
+def _causal_batch(rank, step):
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+MODELS = {"llava": (_llava, _llava_batch), "switch": (_switch, _seq2seq_batch), "mixtral": (_mixtral, _causal_batch)}
+
+
+def _model(name):
+    torch.manual_seed(SEED)
+    return MODELS[name][0]()
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
+
+
+def _loss(model, batch, on=None):
+    batch = {k: v.to(on) if on is not None else v for k, v in batch.items()}
+    return model(**batch).loss
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("name", ["llava", "switch", "mixtral"])
+class TestHFConditionalModules(DistributedTest):
+    world_size = 2
+    exec_timeout = 120
+    steps = 3
+
+    def test_lockstep(self, name, stage):
+        # every ZeRO-3 parameter partitioned and fetched, and several buckets
+        zero = dict(stage3_param_persistence_threshold=0, reduce_bucket_size=2000) if stage == 3 else {}
+        config = zero_config(stage, **zero)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        batch_of = MODELS[name][1]
+        model = _model(name)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        for step in range(self.steps):
+            engine.backward(_loss(engine, batch_of(rank, step), on=device()))
+            engine.step()
+            if stage == 3:  # partitioned at rest, the skipped modules included
+                assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        mine = full_params(engine.module, stage)
+
+        ref_model = _model(name)
+        ref = reference_training(ref_model, _optimizer(ref_model), world_size, self.steps, 1,
+                                 lambda r, s, m: _loss(ref_model, batch_of(r, s)))
+        assert_lockstep(mine, ref, config, self.steps, atol=1e-5, rtol=1e-4)
