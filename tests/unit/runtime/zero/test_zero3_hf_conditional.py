@@ -149,3 +149,70 @@ class TestHFConditionalModules(DistributedTest):
         ref = reference_training(ref_model, _optimizer(ref_model), world_size, self.steps, 1,
                                  lambda r, s, m: _loss(ref_model, batch_of(r, s)))
         assert_lockstep(mine, ref, config, self.steps, atol=1e-5, rtol=1e-4)
+
+
+class _LlavaRows(torch.utils.data.Dataset):
+    """Every row with an image on even indices, text only on odd ones; one row per rank and step (no
+    shuffling, so with 2 ranks rank 0 always gets the image rows and rank 1 the text-only ones)."""
+
+    def __len__(self):
+        return 2 * TestTrainerLlava.steps
+
+    def __getitem__(self, i):
+        return {k: v[0] for k, v in _llava_batch(i % 2, i // 2).items()}
+
+
+_IMAGE_BATCHES = []  # whether each batch this rank trained on had an image
+
+
+def _collate(rows):
+    _IMAGE_BATCHES.append("pixel_values" in rows[0])
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+class TestTrainerLlava(DistributedTest):
+    """LLaVA through transformers.Trainer (which calls deepspeed.initialize through accelerate), ZeRO-3 with
+    every parameter fetched, rank 0 with images and rank 1 text only: every rank finishes, the parameters
+    are identical across ranks and partitioned after training."""
+    world_size = 2
+    exec_timeout = 180
+    steps = 3
+
+    def test_trains(self, tmp_path):
+        pytest.importorskip("accelerate")
+        config = zero_config(3, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
+        config.update(train_batch_size="auto",
+                      train_micro_batch_size_per_gpu="auto",
+                      gradient_accumulation_steps="auto",
+                      gradient_clipping="auto")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / f"out{dist.get_rank()}"),
+                                              per_device_train_batch_size=1,
+                                              max_steps=self.steps,
+                                              learning_rate=LR,
+                                              max_grad_norm=1.0,
+                                              lr_scheduler_type="constant",
+                                              deepspeed=config,
+                                              report_to=[],
+                                              save_strategy="no",
+                                              logging_strategy="no",
+                                              use_cpu=device() == "cpu",
+                                              dataloader_num_workers=0,
+                                              remove_unused_columns=False,
+                                              seed=SEED)
+        model = _model("llava")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_LlavaRows(), data_collator=_collate)
+        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(_LlavaRows())
+        trainer.train()
+        engine = trainer.model_wrapped
+        assert engine.global_steps == self.steps
+        assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        params = full_params(engine.module, 3)
+        flat = torch.cat([params[n].flatten() for n in sorted(params)]).to(device())
+        gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), "parameters differ across ranks"
+        # the data really diverged: images on rank 0 only
+        saw = torch.tensor([any(_IMAGE_BATCHES), all(_IMAGE_BATCHES)], device=device())
+        everyone = [torch.zeros_like(saw) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, saw)
+        assert [e.tolist() for e in everyone] == [[True, True], [False, False]], everyone
