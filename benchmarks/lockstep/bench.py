@@ -16,6 +16,12 @@ bit-identical fork vs upstream (uniform usage) in every repetition. Writes a mar
 plot; exits 1 when uniform usage gives different parameters.
 
   python3 benchmarks/lockstep/bench.py --world-size 2 --stages 1 2 3 --reps 5
+
+`--model moe` (ZeRO-3 only): per-expert MoE with natural routing, instead of the usages the cases are
+the declarations: "leaf" (the MoE block a ZeRO-3 leaf module, fork and upstream) and "none" (the fork
+only: it agrees every fetch by vote; 0.19.8 aborts or hangs), with the ratios vs upstream + leaf.
+
+  python3 benchmarks/lockstep/bench.py --model moe --stages 3 --seq 4
 """
 
 import argparse
@@ -50,6 +56,8 @@ def run_once(python, case, args, out):
         str(args.warmup), "--steps",
         str(args.steps)
     ]
+    if args.model == "moe":
+        cmd += ["--model", "moe", "--experts", str(args.experts), "--leaf", str(int(case["declaration"] == "leaf"))]
     # one JIT-extensions dir per interpreter, kept across runs (the harness would build a fresh one each time)
     ext = Path(args.out_dir, "torch-extensions", Path(python).absolute().parent.parent.name)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(ext), DS_TEST_KEEP_EXTENSIONS_DIR="1")
@@ -60,7 +68,7 @@ def run_once(python, case, args, out):
 
 def summarize(lines):
     medians = [statistics.median(l["step_times"]) for l in lines]
-    return {
+    summary = {
         "version": lines[0]["version"],
         "median_step_s": statistics.median(medians),
         "spread_s": (min(medians), max(medians)),
@@ -72,6 +80,10 @@ def summarize(lines):
         "param_digests": sorted({l.get("param_digest", "?")
                                  for l in lines}),
     }
+    if "routing_differs" in lines[0]:  # --model moe
+        summary["routing_differs"] = [l["routing_differs"] for l in lines]
+        summary["experts_run"] = [l["experts_run"] for l in lines]
+    return summary
 
 
 def numbers_verdict(entry):
@@ -82,12 +94,17 @@ def numbers_verdict(entry):
     return "equal" if fork == up and len(fork) == 1 else f"DIFFER: fork {fork} upstream {up}"
 
 
+def label(case):
+    return case["usage"] + (f", {case['declaration']}" if "declaration" in case else "")
+
+
 def markdown(results, args, machine):
     mem_key = "peak_cuda_mib" if any(r["fork"]["peak_cuda_mib"] for r in results) else "peak_rss_mib"
     mem_name = "max CUDA allocated" if mem_key == "peak_cuda_mib" else "peak RSS (max over ranks)"
     mem_name = "max CUDA allocated" if mem_key == "peak_cuda_mib" else "peak RSS (max over ranks)"
+    moe = f" per-expert MoE ({args.experts} experts, top-1)" if args.model == "moe" else ""
     lines = [
-        f"Machine: {machine}. World size {args.world_size}, {args.dtype}, hidden {args.hidden}, {args.layers} "
+        f"Machine: {machine}. World size {args.world_size}, {args.dtype}, hidden {args.hidden}, {args.layers}{moe} "
         f"blocks, seq {args.seq}, micro-batch {args.batch}, overlap_comm={bool(args.overlap_comm)}, "
         f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}, "
         f"{args.registration} registration order; "
@@ -103,11 +120,11 @@ def markdown(results, args, machine):
                      f"{fk['collectives_per_step']}")
         if up is None:
             lines.append(
-                f"| {r['stage']} | {r['usage']} | fails on upstream | {fork_cols[0]} | - | {fork_cols[1]} | - | "
+                f"| {r['stage']} | {label(r)} | fails on upstream | {fork_cols[0]} | - | {fork_cols[1]} | - | "
                 f"{fork_cols[2]} | - | - | {fork_cols[3]} | {numbers_verdict(r)} |")
             continue
         lines.append(
-            f"| {r['stage']} | {r['usage']} | {up['median_step_s'] * 1e3:.2f} | {fork_cols[0]} | "
+            f"| {r['stage']} | {label(r)} | {up['median_step_s'] * 1e3:.2f} | {fork_cols[0]} | "
             f"{fk['median_step_s'] / up['median_step_s']:.3f} | {fork_cols[1]} | {up[mem_key]:.1f} | "
             f"{fork_cols[2]} | {fk[mem_key] / up[mem_key]:.3f} | {up['collectives_per_step']} | {fork_cols[3]} | "
             f"{numbers_verdict(r)} |")
@@ -117,7 +134,26 @@ def markdown(results, args, machine):
         if "uniform" in by and "divergent" in by:
             ratio = by["divergent"]["fork"]["median_step_s"] / by["uniform"]["fork"]["median_step_s"]
             lines.append(f"- ZeRO-{stage}: fork divergent / fork uniform step time = {ratio:.3f}")
-    if any(r["upstream"] is None for r in results):
+        by = {r.get("declaration"): r for r in results if r["stage"] == stage}
+        if "leaf" in by and "none" in by:
+            base, none = by["leaf"]["upstream"], by["none"]["fork"]
+            same = "equal" if none["param_digests"] == base["param_digests"] else "differ"
+            lines.append(f"- ZeRO-{stage}: fork without declaration / upstream with leaf modules: step time "
+                         f"{none['median_step_s'] / base['median_step_s']:.3f}, memory "
+                         f"{none[mem_key] / base[mem_key]:.3f}; final parameters {same}")
+    for r in results:
+        if "routing_differs" in r["fork"]:
+            first = sum(d[0] for d in r["fork"]["routing_differs"])
+            timed = sum(d[1] for d in r["fork"]["routing_differs"])
+            total = sum(d[2] for d in r["fork"]["routing_differs"])
+            lines.append(f"- ZeRO-{r['stage']} {label(r)}: the ranks ran different experts at the first step in "
+                         f"{first} of {len(r['fork']['routing_differs'])} fork runs and in {timed} of {total} timed "
+                         f"steps; experts run per block and step: "
+                         f"{statistics.mean(r['fork']['experts_run']):.2f} of {args.experts}")
+    if any(r["upstream"] is None and "declaration" in r for r in results):
+        lines.append("- upstream without a declaration is not run: 0.19.8 aborts with a collective mismatch or hangs "
+                     "when the ranks' experts differ")
+    if any(r["upstream"] is None and "declaration" not in r for r in results):
         lines.append("- upstream with divergent usage is not run: 0.19.8 aborts with a collective mismatch or hangs")
     lines.append("- final parameters: digests of the parameters after the last step, over all repetitions; "
                  "uniform usage must be bit-identical fork vs upstream")
@@ -132,7 +168,7 @@ def plot(results, path):
     except ImportError:
         print("bench: matplotlib not available; no plot", file=sys.stderr)
         return False
-    labels = [f"Z{r['stage']} {r['usage']}" for r in results]
+    labels = [f"Z{r['stage']} {label(r)}" for r in results]
     xs = range(len(results))
     fig, ax = plt.subplots(figsize=(max(6, len(results) * 1.2), 4))
     w = 0.38
@@ -146,7 +182,7 @@ def plot(results, path):
     ax.set_ylabel("median step time (ms)")
     missing = any(r["upstream"] is None for r in results)
     ax.set_title("lockstep fork vs deepspeed 0.19.8" +
-                 (" (upstream divergent: fails, not plotted)" if missing else ""))
+                 (" (upstream fails where missing, not plotted)" if missing else ""))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -173,10 +209,18 @@ def main():
                    choices=["forward", "reversed"],
                    default="forward",
                    help="module registration order: 'reversed' registers the blocks last-used first")
+    p.add_argument("--model",
+                   choices=["mlp", "moe"],
+                   default="mlp",
+                   help="'moe': per-expert MoE blocks with natural routing (ZeRO-3); cases by --declarations")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--declarations", nargs="+", default=["leaf", "none"], choices=["leaf", "none"])
     p.add_argument("--fork-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--upstream-python", help="default: the venv scripts/fork.py verify uses (created if missing)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "lockstep" / "out"))
     args = p.parse_args()
+    if args.model == "moe" and args.stages != [3]:
+        p.error("--model moe measures ZeRO-3 only: pass --stages 3")
 
     if args.upstream_python is None:
         import fork
@@ -189,10 +233,16 @@ def main():
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for stage in args.stages:
-            for usage in args.usages:
-                case = {"stage": stage, "usage": usage}
-                files = {side: str(Path(tmp, f"{side}-{stage}-{usage}.jsonl")) for side in ("fork", "upstream")}
+            cases = [{"stage": stage, "usage": usage} for usage in args.usages]
+            if args.model == "moe":
+                cases = [{"stage": stage, "usage": "routed", "declaration": d} for d in args.declarations]
+            for case in cases:
+                usage = case["usage"]
+                name = f"{stage}-{label(case).replace(', ', '-')}"
+                files = {side: str(Path(tmp, f"{side}-{name}.jsonl")) for side in ("fork", "upstream")}
                 sides = [("fork", args.fork_python), ("upstream", args.upstream_python)]
+                if case.get("declaration") == "none" and args.world_size > 1:
+                    sides = sides[:1]  # vanilla upstream cannot run it (collective mismatch / hang)
                 if usage == "divergent" and args.world_size > 1:
                     if stage not in LOCKSTEP_STAGES:
                         print(f"bench: skipping ZeRO-{stage} divergent: not in lockstep yet", file=sys.stderr)
@@ -201,12 +251,12 @@ def main():
                 for rep in range(args.reps):
                     order = sides if rep % 2 == 0 else list(reversed(sides))
                     for side, python in order:
-                        print(f"bench: ZeRO-{stage} {usage} rep {rep + 1}/{args.reps} {side}", file=sys.stderr)
+                        print(f"bench: ZeRO-{stage} {label(case)} rep {rep + 1}/{args.reps} {side}", file=sys.stderr)
                         run_once(python, case, args, files[side])
                 entry = dict(case)
                 for side, _ in sides:
                     entry[side] = summarize([json.loads(l) for l in Path(files[side]).read_text().splitlines()])
-                entry.setdefault("upstream", None)  # divergent usage: upstream aborts or hangs
+                entry.setdefault("upstream", None)  # divergent usage, no declaration: upstream aborts or hangs
                 results.append(entry)
                 table = markdown(results, args, machine)  # after every case: a cut-short run keeps its results
                 (out_dir / "results.md").write_text(table)

@@ -7,7 +7,10 @@
 Started by bench.py once per (side, repetition). Launches the ranks through the test harness
 (tests/unit/common.py: deadlines, no stragglers), trains a transformer-like model with ZeRO, and writes
 one JSON line with per-step times, peak memory, collectives per step and a digest of the final
-parameters to --out.
+parameters to --out. ``--model moe``: per-expert MoE blocks (experts in a ModuleList, top-1 router, each
+expert run only on the tokens routed to it) on fresh random tokens per rank and step, so the ranks run
+different experts (natural routing); ``--leaf 1`` declares the block a ZeRO-3 leaf module (0.19.8's
+workaround: the block is fetched whole).
 """
 
 import argparse
@@ -41,13 +44,42 @@ def build_model(args):
         def forward(self, h):
             return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
 
-    class Model(torch.nn.Module):
-        """A stack of MLP blocks; the LLaVA-like variant adds an image projector used on image batches."""
+    class MoEBlock(torch.nn.Module):
+        """Per-expert MoE: each expert (d->4d->d) runs only on the tokens its top-1 router sends it."""
 
-        def __init__(self, d, layers, reversed_registration):
+        def __init__(self, d):
             super().__init__()
-            self.image_proj = torch.nn.Linear(d, d)
-            self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+            self.norm = torch.nn.LayerNorm(d)
+            self.router = torch.nn.Linear(d, args.experts)
+            self.experts = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+                for _ in range(args.experts))
+            self.ran = []  # the experts that got tokens in the last forward
+
+        def forward(self, h):
+            x = self.norm(h)
+            weight, choice = torch.softmax(self.router(x), dim=-1).max(dim=-1)
+            out = torch.zeros_like(h)
+            self.ran = []
+            for i, expert in enumerate(self.experts):
+                routed = choice == i
+                if routed.any():
+                    out[routed] = weight[routed, None] * expert(x[routed])
+                    self.ran.append(i)
+            return h + out
+
+    class Model(torch.nn.Module):
+        """A stack of MLP (or MoE) blocks; the LLaVA-like variant adds an image projector used on image batches."""
+
+        def __init__(self, d, layers, reversed_registration, block):
+            super().__init__()
+            if block is Block:
+                self.image_proj = torch.nn.Linear(d, d)
+            else:  # MoE: no projector; an input layer, so that the first block's input requires grad (as
+                # after an embedding: 0.19.8 reduces a leaf module's gradients from a full backward hook, which
+                # fires before its parameters' gradients exist when no input of the module requires grad)
+                self.embed = torch.nn.Linear(d, d)
+            self.blocks = torch.nn.ModuleList(block(d) for _ in range(layers))
             self.head = torch.nn.Linear(d, 1)
             if reversed_registration:  # registered last-used first, like models that define the head first
                 self.order = list(range(layers))
@@ -55,7 +87,7 @@ def build_model(args):
                 self.order.reverse()
 
         def forward(self, x, image=None):
-            h = x
+            h = self.embed(x) if hasattr(self, "embed") else x
             if image is not None:
                 h = h + self.image_proj(image)
             for i in getattr(self, "order", range(len(self.blocks))):
@@ -63,7 +95,7 @@ def build_model(args):
             return self.head(h).pow(2).mean()
 
     torch.manual_seed(0)
-    return Model(args.hidden, args.layers, args.registration == "reversed")
+    return Model(args.hidden, args.layers, args.registration == "reversed", MoEBlock if args.model == "moe" else Block)
 
 
 def rank_main(args):
@@ -104,6 +136,8 @@ def rank_main(args):
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     model = build_model(args)
+    if args.leaf:
+        deepspeed.utils.set_z3_leaf_modules(model, [type(model.blocks[0])])
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                            config=config)
@@ -111,13 +145,18 @@ def rank_main(args):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
     image = torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
+    if args.model == "moe":  # fresh tokens per step, made before timing: the routing changes every step
+        tokens = [
+            torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
+            for _ in range(args.warmup + args.steps)
+        ]
 
     def uses_image(step):
         if args.usage == "uniform":
             return True
         return (rank + step) % 2 == 0  # divergent: half the ranks have an image batch, alternating
 
-    times, collectives = [], []
+    times, collectives, routes = [], [], []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
@@ -125,7 +164,11 @@ def rank_main(args):
         dist.barrier()
         before = counts["n"]
         t0 = time.perf_counter()
-        loss = engine(x, image if uses_image(step) else None)
+        if args.model == "moe":
+            loss = engine(tokens[step])
+            routes.append([tuple(block.ran) for block in engine.module.blocks])
+        else:
+            loss = engine(x, image if uses_image(step) else None)
         engine.backward(loss)
         engine.step()
         get_accelerator().synchronize()
@@ -144,6 +187,8 @@ def rank_main(args):
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
+    all_routes = [None] * dist.get_world_size()
+    dist.all_gather_object(all_routes, routes)
     if rank == 0:
         out = {
             "version": deepspeed.__version__,
@@ -154,6 +199,11 @@ def rank_main(args):
             "param_digest": digest if len(set(digests)) == 1 else "ranks differ: " + ",".join(digests),
             "param_sum": flat.sum().item(),
         }
+        if args.model == "moe":  # did the ranks run different experts (at the first step: votes stay on)?
+            differ = [len({str(r[s]) for r in all_routes}) > 1 for s in range(len(routes))]
+            out["routing_differs"] = [differ[0], sum(differ[args.warmup:]), args.steps]
+            runs = [len(ran) for r in all_routes for step in r for ran in step]  # per rank, step and block
+            out["experts_run"] = sum(runs) / len(runs)
         with open(args.out, "a") as f:
             f.write(json.dumps(out) + "\n")
 
@@ -163,7 +213,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--stage", type=int, default=2)
-    p.add_argument("--usage", choices=["uniform", "divergent"], default="uniform")
+    p.add_argument("--usage", choices=["uniform", "divergent", "routed"], default="uniform")  # routed: --model moe
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=32)
@@ -173,6 +223,9 @@ def main():
     p.add_argument("--contiguous-gradients", type=int, default=1)
     p.add_argument("--bucket-size", type=int, default=500_000_000)
     p.add_argument("--registration", choices=["forward", "reversed"], default="forward")
+    p.add_argument("--model", choices=["mlp", "moe"], default="mlp")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--leaf", type=int, default=0, help="--model moe: the MoE block as a ZeRO-3 leaf module")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--deadline", type=float, default=600)
