@@ -21,6 +21,13 @@ fi
 if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
   [ -d tree/deepspeed ] || { echo "test-gpu: no deepspeed and no tree/ (run: python3 scripts/fork.py sync)"; exit 1; }
   export PYTHONPATH="$PWD/tree${PYTHONPATH:+:$PYTHONPATH}"
+  # package metadata too, since accelerate and transformers ask importlib.metadata whether deepspeed is
+  # installed (Trainer's DeepSpeed integration refuses to start otherwise)
+  version=$(cat tree/version.txt)
+  mkdir -p "/tmp/lockstep-meta/deepspeed-$version.dist-info"
+  printf 'Metadata-Version: 2.1\nName: deepspeed\nVersion: %s\n' "$version" \
+    > "/tmp/lockstep-meta/deepspeed-$version.dist-info/METADATA"
+  export PYTHONPATH="/tmp/lockstep-meta:$PYTHONPATH"
 fi
 "$PYTHON" -c "import torch, deepspeed; assert torch.cuda.is_available(), 'no CUDA device';
 print('test-gpu: deepspeed', deepspeed.__version__, 'from', deepspeed.__path__[0], '| torch', torch.__version__,
