@@ -23,7 +23,7 @@ if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
   export PYTHONPATH="$PWD/tree${PYTHONPATH:+:$PYTHONPATH}"
   # package metadata too, since accelerate and transformers ask importlib.metadata whether deepspeed is
   # installed (Trainer's DeepSpeed integration refuses to start otherwise)
-  version=$(cat tree/version.txt)
+  version=$("$PYTHON" -c "import deepspeed; print(deepspeed.__version__)" 2>/dev/null | tail -1)
   mkdir -p "/tmp/lockstep-meta/deepspeed-$version.dist-info"
   printf 'Metadata-Version: 2.1\nName: deepspeed\nVersion: %s\n' "$version" \
     > "/tmp/lockstep-meta/deepspeed-$version.dist-info/METADATA"
