@@ -12,7 +12,9 @@ forward: a forward that some ranks run alone (an evaluation or sample generation
 - TestStepCost: counts, per forward, backward and optimizer step of steady-state training with uniform
   usage, the collectives DeepSpeed issues and the host reads of tensor values its code makes (``item``,
   ``tolist``, ``bool``, ``int``, ``float``: each a host-device sync on an accelerator). A forward whose
-  parameters are all resident issues none; every steady step costs the same on every rank.
+  parameters are all resident issues none; every steady step costs the same on every rank. ZeRO-3's fetch
+  votes (the fork's, on a CPU group) are counted apart: one per fetching module and one at the end of each
+  forward and backward.
 """
 
 import contextlib
@@ -29,6 +31,12 @@ from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, batch, device, full_params, make_engine,
                                                   train_reference, zero_config)
 from unit.runtime.zero.lockstep_scenarios import record_for_verify  # fork-only
+# fork-only: begin
+try:
+    from deepspeed.runtime.zero.fetch_ballot import FetchBallot
+except ImportError:  # vanilla 0.19.8, which scripts/fork.py verify runs this test against
+    FetchBallot = None
+# fork-only: end
 
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_fn", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn",
@@ -44,6 +52,7 @@ class CostRecorder:
         self.counts = Counter()
         self.phase = None
         self._depth = 0
+        self._in_vote = 0
         self._undo = []
         backend = deepspeed.comm.comm.cdb
         for name in COLLECTIVES:
@@ -51,6 +60,12 @@ class CostRecorder:
                 self._wrap(backend, name, self._collective(name, getattr(backend, name)))
         for name in HOST_READS:
             self._wrap(torch.Tensor, name, self._host_read(name, getattr(torch.Tensor, name)))
+        # fork-only: begin
+        # ZeRO-3's fetch votes, counted apart (an all-reduce and a read of four integers on a CPU group, no
+        # device sync)
+        if FetchBallot is not None:
+            self._wrap(FetchBallot, "_vote", self._vote(FetchBallot._vote))
+        # fork-only: end
 
     def _wrap(self, owner, name, replacement):
         self._undo.append((owner, name, owner.__dict__.get(name, None), name in owner.__dict__))
@@ -69,10 +84,25 @@ class CostRecorder:
 
         return counted
 
+    def _vote(self, fn):
+
+        def counted(*args, **kwargs):
+            if self.phase:
+                self.counts[(self.phase, "fetch votes", "")] += 1
+            self._depth += 1  # its all-reduce and its read are the vote's
+            self._in_vote += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self._in_vote -= 1
+
+        return counted
+
     def _host_read(self, name, fn):
 
         def counted(tensor, *args, **kwargs):
-            if self.phase and "/deepspeed/" in sys._getframe(1).f_code.co_filename:
+            if self.phase and not self._in_vote and "/deepspeed/" in sys._getframe(1).f_code.co_filename:
                 self.counts[(self.phase, "host reads", "")] += 1  # which kind does not matter: one sync each
             return fn(tensor, *args, **kwargs)
 
@@ -166,4 +196,15 @@ class TestStepCost(DistributedTest):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, steady)
         assert all(g == steady for g in gathered), f"ranks differ: {gathered}"
+        # fork-only: begin
+        # with fetched parameters, each fetch is checked by a vote (on a CPU group: no device read) and so is
+        # the end of a forward and of a backward; nothing else differs from 0.19.8 (verify's numbers)
+        votes = {phase: counts.pop("fetch votes", 0) for phase, counts in steady.items()}
+        fetching = 0 if stage != 3 else sum(1 for m in engine.module.modules()
+                                            if any(not p.ds_persist for p in m.parameters(recurse=False)))
+        expected = fetching and fetching + 1
+        if FetchBallot is not None:
+            assert votes == dict(forward=expected, backward=expected,
+                                 step=0), f"fetch votes {votes}, {fetching} fetching"
+        # fork-only: end
         record_for_verify(json.dumps(steady, sort_keys=True))  # fork-only

@@ -1,0 +1,271 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-3 with the default ``fetch_agreement`` ("auto"), no declaration: the ranks run the same modules at
+the first optimizer step (so they agree on the module trace there, and fetch by it with prefetching) and
+different ones later. A rank skips a module the trace has (no images any more, an expert without tokens),
+runs one the trace lacks (the first batches had no images), runs modules in another order, uses a parameter
+of a module every rank runs on some ranks only (its gradient bucket is ready at a rank-dependent point), or
+an evaluation after uniform training routes tokens differently per rank. 0.19.8 and the fork up to patch 0013
+issue different all-gathers there: gloo aborts (size mismatch), NCCL hangs.
+
+Oracles: every rank finishes within the deadline; parameters identical across ranks and equal to a
+plain-PyTorch reference (a gradient missing on a rank counts as zero); evaluation losses equal the
+reference model's; parameters partitioned at rest after each step."""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, Scenario, assert_lockstep, batch, device,
+                                                  full_params, make_engine, reference_training, train_deepspeed,
+                                                  train_reference, zero_config)
+from unit.runtime.zero.test_zero3_conditional_fetch import TinyMoEModel
+
+STEPS = 4
+
+# (rank, step, micro) -> (image?, route): the same modules on every rank at step 0, different ones later
+LATE = {
+    # rank 1 stops getting images: it skips a module the agreed trace holds
+    "skip_after_uniform": lambda r, s, m: (r == 0 or s == 0, "ab"),
+    # no images anywhere at step 0, then on rank 0 only: a module the agreed trace does not hold
+    "extra_after_uniform": lambda r, s, m: (r == 0 and s > 0, "ab"),
+    # rank 1 runs the two branches in the other order from step 1 on
+    "order_after_uniform": lambda r, s, m: (True, "ab" if r == 0 or s == 0 else ("b", "a")),
+    # different at step 1, the same again at step 2 (the trace is agreed again), different at step 3
+    "differ_agree_differ": lambda r, s, m: (r == 0 or s % 2 == 0, "ab"),
+    # every rank leaves the trace the same way at step 2 (no image anywhere): nothing differs across ranks
+    "all_change_together": lambda r, s, m: (s < 2, "ab"),
+    # a rank leaves the trace in its second micro-step only
+    "second_micro_step": lambda r, s, m: (not (r == 1 and s > 0 and m == 1), "ab"),
+}
+
+CONFIGS = {
+    "default": {},
+    "gas2": dict(gradient_accumulation_steps=2),
+    "bucket100": dict(reduce_bucket_size=100),
+    "contig0-rs0": dict(contiguous_gradients=False, reduce_scatter=False),
+    "persist": dict(stage3_param_persistence_threshold=20),  # small parameters resident, the others fetched
+}
+
+
+# prefetch one small parameter ahead at most, so that a fetch is not already done for the rest of the pass
+# when a rank starts to differ (real models prefetch a few layers ahead, not the whole model)
+SHORT_PREFETCH = dict(stage3_prefetch_bucket_size=64)
+
+
+def _config(**overrides):
+    options = dict(stage3_param_persistence_threshold=0)  # every parameter partitioned and fetched
+    options.update(overrides)
+    return zero_config(3,
+                       gradient_accumulation_steps=options.pop("gradient_accumulation_steps", 1),
+                       bf16=False,
+                       **options)
+
+
+def _agree(ok, what):
+    """Every rank raises together if any rank's check failed."""
+    flag = torch.tensor([0 if ok else 1], device=device())
+    dist.all_reduce(flag)
+    assert flag.item() == 0, what
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("usage", sorted(LATE))
+class TestModulesDifferAfterUniformStep(DistributedTest):
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage, config):
+        if usage == "second_micro_step" and config != "gas2":
+            pytest.skip("needs two micro-steps")
+        scenario = Scenario(usage, usage, LATE[usage])
+        config = _config(**CONFIGS[config])
+        mine = train_deepspeed(scenario, config, steps=STEPS)
+        ref = train_reference(scenario, dist.get_world_size(), STEPS, config["gradient_accumulation_steps"])
+        assert_lockstep(mine, ref, config, STEPS)
+
+
+def _moe_model():
+    torch.manual_seed(SEED)
+    return TinyMoEModel()
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
+
+
+def _moe_batch(rank, step, tokens=3, hidden=8):
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    return torch.randn(tokens, hidden, generator=g)
+
+
+def _experts_used(model, x):
+    with torch.no_grad():
+        h = model.embed(x)
+        used = []
+        for block in model.blocks:
+            used.append(set(block.router(h).argmax(dim=-1).tolist()))
+            h = block(h)
+    return used
+
+
+class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
+    """Per-expert MoE, natural routing: every rank trains on the same batch at step 0 (the same experts
+    run everywhere, so the trace is agreed), then on its own batches (experts get tokens on some ranks
+    only). The parameters stay partitioned at rest after every step."""
+    world_size = 2
+    exec_timeout = 90
+
+    def test_lockstep(self):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        data = lambda r, s: _moe_batch(0 if s == 0 else r, s)
+        config = _config(**SHORT_PREFETCH)
+        model = _moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        for step in range(STEPS):
+            engine.backward(engine(data(rank, step).to(device())))
+            engine.step()
+            assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+        mine = full_params(engine.module, 3)
+
+        ref_model = _moe_model()
+        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(data(r, s)))
+        check = _moe_model()
+        _agree(
+            any(_experts_used(check, data(0, s)) != _experts_used(check, data(1, s)) for s in range(1, STEPS)),
+            "after step 0 the batches should route tokens to different experts on different ranks")
+        assert_lockstep(mine, ref, config, STEPS)
+
+
+class TestEvaluateAfterUniformTraining(DistributedTest):
+    """Every rank trains on the same batches (the trace is agreed at the first step and the votes only check
+    it), then each rank evaluates its own batches, whose tokens go to different experts per rank, then
+    training goes on with the same batches everywhere."""
+    world_size = 2
+    exec_timeout = 90
+
+    def test_lockstep(self):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        config = _config(**SHORT_PREFETCH)
+        model = _moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        train_batch = lambda r, s: _moe_batch(0, s)  # the same on every rank
+        eval_batches = [_moe_batch(rank, 100 + i) for i in range(2)]
+        for step in range(STEPS):
+            if step == 2:
+                engine.eval()
+                with torch.no_grad():
+                    losses = [engine(x.to(device())).item() for x in eval_batches]
+                engine.train()
+            engine.backward(engine(train_batch(rank, step).to(device())))
+            engine.step()
+        mine = full_params(engine.module, 3)
+
+        ref_model = _moe_model()
+        loss_of = lambda r, s, m: ref_model(train_batch(r, s))
+        reference_training(ref_model, _optimizer(ref_model), world_size, 2, 1, loss_of)
+        with torch.no_grad():
+            expected = [ref_model(x).item() for x in eval_batches]
+        routed = [_experts_used(ref_model, _moe_batch(r, 100)) for r in range(world_size)]
+        _agree(routed[0] != routed[1], "the evaluation batches should route tokens to different experts per rank")
+        _agree(torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6),
+               f"rank {rank}: evaluation losses {losses}, plain PyTorch {expected}")
+
+        ref_model = _moe_model()
+        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(train_batch(r, s)))
+        assert_lockstep(mine, ref, config, STEPS)
+
+
+class GatedLayer(torch.nn.Module):
+    """A layer every rank runs; its ``gate`` weight is used only when the batch asks for it."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.main = torch.nn.Parameter(0.3 * torch.randn(hidden, hidden))
+        self.gate = torch.nn.Parameter(0.3 * torch.randn(hidden, hidden))
+
+    def forward(self, h, gated):
+        out = torch.tanh(h @ self.main)
+        if gated:
+            out = out + torch.tanh(h @ self.gate)
+        return h + out
+
+
+class GatedModel(torch.nn.Module):
+
+    def __init__(self, hidden=8, layers=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(GatedLayer(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, gated):
+        for layer in self.layers:
+            x = layer(x, gated)
+        return self.head(x).pow(2).mean()
+
+
+class TestParameterUsedOnSomeRanksAfterUniformStep(DistributedTest):
+    """Every rank uses the gates at step 0, only rank 0 later: the modules (and the trace) are the same on
+    every rank, but the gates' gradients exist on rank 0 only, so with buckets of 100 elements a bucket is
+    ready mid-backward on rank 0 and only at the end on rank 1, between the next layers' fetches."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        gated = lambda r, s: r == 0 or s == 0
+        data = lambda r, s: _moe_batch(r, s)
+        config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
+
+        def model_and_optimizer():
+            torch.manual_seed(SEED)
+            model = GatedModel()
+            return model, _optimizer(model)
+
+        model, optimizer = model_and_optimizer()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for step in range(STEPS):
+            engine.backward(engine(data(rank, step).to(device()), gated(rank, step)))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        ref_model, ref_optimizer = model_and_optimizer()
+        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(data(r, s), gated(r, s)))
+        assert_lockstep(mine, ref, config, STEPS)
+
+
+class TestVotesOfAnNcclJob(DistributedTest):
+    """An NCCL data-parallel group cannot carry the CPU votes: ZeRO-3 builds a gloo group of the same ranks
+    for them. The CPU machine has no NCCL, so the group is built here as for an NCCL job (its backend
+    reported as "nccl" while it is built) and given to the ballot; a rank stops getting images after the
+    first step."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, monkeypatch):
+        from deepspeed.runtime.zero.fetch_ballot import _cpu_vote_group  # new in this change
+        scenario = Scenario("skip_after_uniform", "", LATE["skip_after_uniform"])
+        config = _config()
+        engine = make_engine(scenario, config)
+        ballot = engine.optimizer.parameter_offload.get_param_coordinator().fetch_ballot
+        with monkeypatch.context() as patched:
+            patched.setattr(deepspeed.comm, "get_backend", lambda group=None: "nccl")
+            twin = _cpu_vote_group(engine.optimizer.dp_process_group)
+        assert twin is not None and twin is not engine.optimizer.dp_process_group
+        assert dist.get_backend(twin) == "gloo"
+        ballot._vote_group = twin
+        rank = dist.get_rank()
+        for step in range(STEPS):
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward(engine(x, image, route))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
