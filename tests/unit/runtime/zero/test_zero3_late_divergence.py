@@ -53,7 +53,6 @@ CONFIGS = {
     "persist": dict(stage3_param_persistence_threshold=20),  # small parameters resident, the others fetched
 }
 
-
 # prefetch one small parameter ahead at most, so that a fetch is not already done for the rest of the pass
 # when a rank starts to differ (real models prefetch a few layers ahead, not the whole model)
 SHORT_PREFETCH = dict(stage3_prefetch_bucket_size=64)
@@ -138,9 +137,8 @@ class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
         ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
                                  lambda r, s, m: ref_model(data(r, s)))
         check = _moe_model()
-        _agree(
-            any(_experts_used(check, data(0, s)) != _experts_used(check, data(1, s)) for s in range(1, STEPS)),
-            "after step 0 the batches should route tokens to different experts on different ranks")
+        _agree(any(_experts_used(check, data(0, s)) != _experts_used(check, data(1, s)) for s in range(1, STEPS)),
+               "after step 0 the batches should route tokens to different experts on different ranks")
         assert_lockstep(mine, ref, config, STEPS)
 
 

@@ -13,8 +13,8 @@ forward: a forward that some ranks run alone (an evaluation or sample generation
   usage, the collectives DeepSpeed issues and the host reads of tensor values its code makes (``item``,
   ``tolist``, ``bool``, ``int``, ``float``: each a host-device sync on an accelerator). A forward whose
   parameters are all resident issues none; every steady step costs the same on every rank. ZeRO-3's fetch
-  votes (the fork's, on a CPU group) are counted apart: one per fetching module and one at the end of each
-  forward and backward.
+  votes (the fork's, on a CPU group) are counted apart: one per fetching module, one for the root module
+  and one at the end of each forward and backward.
 """
 
 import contextlib
@@ -64,7 +64,7 @@ class CostRecorder:
         # ZeRO-3's fetch votes, counted apart (an all-reduce and a read of four integers on a CPU group, no
         # device sync)
         if FetchBallot is not None:
-            self._wrap(FetchBallot, "_vote", self._vote(FetchBallot._vote))
+            self._wrap(FetchBallot, "_poll", self._vote(FetchBallot._poll))
         # fork-only: end
 
     def _wrap(self, owner, name, replacement):
@@ -202,7 +202,8 @@ class TestStepCost(DistributedTest):
         votes = {phase: counts.pop("fetch votes", 0) for phase, counts in steady.items()}
         fetching = 0 if stage != 3 else sum(1 for m in engine.module.modules()
                                             if any(not p.ds_persist for p in m.parameters(recurse=False)))
-        expected = fetching and fetching + 1
+        # one vote per fetching module and one for the root module (at the start), one at the end
+        expected = fetching and fetching + 2
         if FetchBallot is not None:
             assert votes == dict(forward=expected, backward=expected,
                                  step=0), f"fetch votes {votes}, {fetching} fetching"
