@@ -267,3 +267,34 @@ class TestVotesOfAnNcclJob(DistributedTest):
             engine.step()
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
+@pytest.mark.parametrize("policy", ["auto", "first_step"])
+class TestVotesInSteadyState(DistributedTest):
+    """Uniform usage: with "auto" every later step still checks each fetch by a vote; with "first_step" no
+    vote is cast once the first step found the same modules everywhere (0.19.8's steady state)."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_votes(self, policy, monkeypatch):
+        from deepspeed.runtime.zero.fetch_ballot import FetchBallot  # new in this change
+        polls = []
+        real_poll = FetchBallot._poll
+        monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
+        scenario = Scenario("uniform", "", lambda r, s, m: (True, "ab"))
+        config = _config(fetch_agreement=policy)
+        engine = make_engine(scenario, config)
+        rank, counts = dist.get_rank(), []
+        for step in range(STEPS):
+            polls.clear()
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward(engine(x, image, route))
+            engine.step()
+            counts.append(len(polls))
+        assert counts[0] > 0, "the first step votes (no agreed trace yet)"
+        if policy == "first_step":
+            assert counts[1:] == [0] * (STEPS - 1), counts
+        else:
+            assert all(c > 0 for c in counts[1:]), counts
+        mine = full_params(engine.module, 3)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
