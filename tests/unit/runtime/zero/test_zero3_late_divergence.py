@@ -298,3 +298,18 @@ class TestVotesInSteadyState(DistributedTest):
             assert all(c > 0 for c in counts[1:]), counts
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
+@pytest.mark.parametrize("usage", ["skip_after_uniform", "extra_after_uniform"])
+class TestHierarchicalPartitions(DistributedTest):
+    """ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``: a secondary copy of the parameters
+    partitioned within groups of 2 ranks, fetched from there in backward): four ranks, the same modules at
+    step 0, different ones later."""
+    world_size = 4
+    exec_timeout = 90
+
+    def test_lockstep(self, usage):
+        scenario = Scenario(usage, usage, LATE[usage])
+        config = _config(zero_hpz_partition_size=2)
+        mine = train_deepspeed(scenario, config, steps=STEPS)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
