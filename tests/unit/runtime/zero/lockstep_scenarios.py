@@ -257,6 +257,13 @@ def check_lockstep(scenario_name, config, steps, backward="engine", checkpoint=F
     return assert_lockstep(mine, ref, config, steps, atol=atol, rtol=rtol)
 
 
+def agree_on_every_rank(ok, what):
+    """Every rank raises together (AssertionError ``what``) if any rank's check failed."""
+    flag = torch.tensor([0 if ok else 1], device=device())
+    dist.all_reduce(flag)
+    assert flag.item() == 0, what
+
+
 def assert_lockstep(mine, ref, config, steps, atol=1e-6, rtol=1e-5):
     """The two oracles on {name: full parameter} after training: bitwise identical across ranks, and equal
     to the plain-PyTorch reference ``ref``. The verdict is agreed, so all ranks raise (or pass) together."""

@@ -18,45 +18,14 @@ import deepspeed
 import deepspeed.comm as dist
 
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, SCENARIOS, assert_lockstep, batch, device,
+from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, agree_on_every_rank, assert_lockstep, batch, device,
                                                   full_params, make_engine, make_model, reference_training,
                                                   train_reference, zero_config)
-from unit.runtime.zero.test_zero3_conditional_fetch import TinyMoEModel
+from unit.runtime.zero.test_zero3_conditional_fetch import _experts_used, _moe_batch, _moe_model, _optimizer
 
 FETCHED = dict(stage3_param_persistence_threshold=0)  # every parameter is partitioned and fetched
 STEPS = 3
 EVAL_BATCHES = 2
-
-
-def _moe_model():
-    torch.manual_seed(SEED)
-    return TinyMoEModel()
-
-
-def _optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
-
-
-def _moe_batch(rank, step, tokens=3, hidden=8):
-    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
-    return torch.randn(tokens, hidden, generator=g)
-
-
-def _experts_used(model, x):
-    with torch.no_grad():
-        h = model.embed(x)
-        used = []
-        for block in model.blocks:
-            used.append(set(block.router(h).argmax(dim=-1).tolist()))
-            h = block(h)
-    return used
-
-
-def _agree(ok, what):
-    """Every rank raises together if any rank's check failed."""
-    flag = torch.tensor([0 if ok else 1], device=device())
-    dist.all_reduce(flag)
-    assert flag.item() == 0, what
 
 
 @pytest.mark.parametrize("evaluate_at", [0, 2], ids=["before_training", "after_steps"])
@@ -89,9 +58,10 @@ class TestEvaluateMoEOnEveryRank(DistributedTest):
         with torch.no_grad():
             expected = [ref_model(x).item() for x in eval_batches]
         routed = [_experts_used(ref_model, _moe_batch(r, 100)) for r in range(world_size)]
-        _agree(routed[0] != routed[1], "the evaluation batches should route tokens to different experts per rank")
-        _agree(torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6),
-               f"rank {rank}: evaluation losses {losses}, plain PyTorch {expected}")
+        agree_on_every_rank(routed[0] != routed[1],
+                            "the evaluation batches should route tokens to different experts per rank")
+        agree_on_every_rank(torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6),
+                            f"rank {rank}: evaluation losses {losses}, plain PyTorch {expected}")
 
         ref_model = _moe_model()
         ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
@@ -131,7 +101,7 @@ class TestEvaluateImagesOnOneRank(DistributedTest):
             for name, p in ref_model.named_parameters():
                 p.copy_(ref_params[name])
             expected = ref_model(*batch(scenario, rank, STEPS, 0)).item()
-        _agree(
+        agree_on_every_rank(
             abs(loss - expected) <= 1e-6 + 1e-5 * abs(expected),
             f"rank {rank}: evaluation loss {loss}, plain PyTorch {expected}")
         assert_lockstep(mine, train_reference(scenario, world_size, STEPS + 1), config, STEPS + 1)

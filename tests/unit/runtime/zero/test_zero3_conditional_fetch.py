@@ -54,7 +54,8 @@ class TestConditionalModulesFetched(DistributedTest):
 
 class TestLateDivergenceAlwaysAgreed(DistributedTest):
     """Every rank sees images at the first step, only rank 0 later: the first step finds the same modules
-    everywhere, so with the default ("auto") the votes would stop there. fetch_agreement="always" keeps them."""
+    everywhere, so the trace is agreed there; fetch_agreement="always" keeps deciding every fetch by vote
+    instead (with the default, the votes go on checking the trace: test_zero3_late_divergence.py)."""
     world_size = 2
     exec_timeout = 60
 
