@@ -192,15 +192,18 @@ def full_params(model, stage):
     return {n: p.detach().float().cpu().clone() for n, p in params}
 
 
-def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkpoint=False):
+def train_deepspeed(scenario: Scenario, config, steps, backward="engine", checkpoint=False, engine_out=None):
     """Train on this rank; returns {name: full parameter} after `steps` optimizer steps.
 
     backward: "engine" (engine.backward(loss)), "torch" (PyTorch-style loss.backward()) or
     "engine+allreduce" (engine.backward, then engine.allreduce_gradients() again, as upstream tests do).
-    checkpoint: run the model's block under reentrant activation checkpointing."""
+    checkpoint: run the model's block under reentrant activation checkpointing. engine_out: a list the engine
+    is appended to."""
     rank = dist.get_rank()
     stage = config["zero_optimization"]["stage"]
     engine = make_engine(scenario, config, checkpoint=checkpoint)
+    if engine_out is not None:
+        engine_out.append(engine)
     dtype = next(p for p in engine.module.parameters()).dtype
     gas = engine.gradient_accumulation_steps()
     for step in range(steps):

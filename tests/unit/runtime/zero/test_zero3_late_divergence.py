@@ -29,7 +29,10 @@ from unit.runtime.zero.test_zero3_conditional_fetch import _experts_used, _moe_b
 
 STEPS = 4
 
-# (rank, step, micro) -> (image?, route): the same modules on every rank at step 0, different ones later
+# (rank, step, micro) -> (image?, route): the same modules on every rank at step 0, different ones later.
+# Each names whether a rank leaves the fetch schedule agreed at step 0 (it runs a module the schedule lacks
+# there, or runs modules in another order) or only skips modules of it.
+LEAVES = {"extra_after_uniform", "order_after_uniform"}
 LATE = {
     # rank 1 stops getting images: it skips a module the agreed trace holds
     "skip_after_uniform": lambda r, s, m: (r == 0 or s == 0, "ab"),
@@ -51,6 +54,10 @@ CONFIGS = {
     "bucket100": dict(reduce_bucket_size=100),
     "contig0-rs0": dict(contiguous_gradients=False, reduce_scatter=False),
     "persist": dict(stage3_param_persistence_threshold=20),  # small parameters resident, the others fetched
+    # prefetch one small parameter ahead, or none: the fetches come one module at a time
+    "prefetch64": dict(stage3_prefetch_bucket_size=64),
+    "prefetch0": dict(stage3_prefetch_bucket_size=0),
+    "offload-param": dict(offload_param={"device": "cpu"}),
 }
 
 # prefetch one small parameter ahead at most, so that a fetch is not already done for the rest of the pass
@@ -78,9 +85,38 @@ class TestModulesDifferAfterUniformStep(DistributedTest):
             pytest.skip("needs two micro-steps")
         scenario = Scenario(usage, usage, LATE[usage])
         config = _config(**CONFIGS[config])
-        mine = train_deepspeed(scenario, config, steps=STEPS)
+        engines = []
+        mine = train_deepspeed(scenario, config, steps=STEPS, engine_out=engines)
         ref = train_reference(scenario, dist.get_world_size(), STEPS, config["gradient_accumulation_steps"])
         assert_lockstep(mine, ref, config, STEPS)
+        _assert_replayed(engines[0], leaves=usage in LEAVES)
+
+
+def _assert_replayed(engine, leaves):
+    """The ranks replayed the schedule agreed at step 0: a rank that skipped modules took part in their
+    fetches without a vote (no switch), one that left the schedule made every rank switch to votes."""
+    schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+    replayed = torch.tensor([schedule.replayed], device=device())
+    dist.all_reduce(replayed)
+    assert replayed.item() > 0, "no rank replayed a skipped event"
+    assert (schedule.switches > 0) == leaves, f"{schedule.switches} switches to votes"
+
+
+@pytest.mark.parametrize("usage", ["skip_after_uniform", "extra_after_uniform", "order_after_uniform"])
+class TestModulesDifferUnderCheckpointing(DistributedTest):
+    """The same with the model's block under reentrant activation checkpointing: its forward runs again in
+    the middle of backward (the recompute), among backward's fetches."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage):
+        scenario = Scenario(usage, usage, LATE[usage])
+        config = _config(**SHORT_PREFETCH)
+        engines = []
+        mine = train_deepspeed(scenario, config, steps=STEPS, checkpoint=True, engine_out=engines)
+        ref = train_reference(scenario, dist.get_world_size(), STEPS)
+        assert_lockstep(mine, ref, config, STEPS)
+        _assert_replayed(engines[0], leaves=usage in LEAVES)
 
 
 class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
@@ -212,6 +248,58 @@ class TestParameterUsedOnSomeRanksAfterUniformStep(DistributedTest):
         assert_lockstep(mine, ref, config, STEPS)
 
 
+class SharedWeightModel(torch.nn.Module):
+    """``shared`` belongs to a module that never runs its own forward; a batch uses it in the last layer, or
+    (``early``) in the first one. Backward reaches the first layer last, so an early use makes its gradient
+    arrive later in backward than a late use does."""
+
+    def __init__(self, hidden=8, layers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.shared = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, early):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == (0 if early else len(self.layers) - 1):
+                x = x + torch.tanh(x @ self.shared.weight)
+        return self.head(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("prefetch", [64, 0])
+class TestGradientArrivesLaterThanAgreed(DistributedTest):
+    """Every rank uses ``shared`` in the last layer at step 0 (where its bucket's place in the schedule comes
+    from); rank 1 uses it in the first layer later, so its gradient arrives after its bucket was reduced
+    (with zeros for it) there, and its forward reads the parameter where the schedule does not fetch it.
+    Every rank switches to votes together and the gradient is reduced once more."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, prefetch):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        early = lambda r, s: r == 1 and s > 0
+        data = lambda r, s: _moe_batch(r, s)
+        config = _config(reduce_bucket_size=100, stage3_prefetch_bucket_size=prefetch)
+
+        def model_and_optimizer():
+            torch.manual_seed(SEED)
+            model = SharedWeightModel()
+            return model, _optimizer(model)
+
+        model, optimizer = model_and_optimizer()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        for step in range(STEPS):
+            engine.backward(engine(data(rank, step).to(device()), early(rank, step)))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        ref_model, ref_optimizer = model_and_optimizer()
+        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(data(r, s), early(r, s)))
+        assert_lockstep(mine, ref, config, STEPS)
+        _assert_replayed(engine, leaves=True)
+
+
 class TestVotesOfAnNcclJob(DistributedTest):
     """An NCCL data-parallel group cannot carry the CPU votes: ZeRO-3 builds a gloo group of the same ranks
     for them. The CPU machine has no NCCL, so the group is built here as for an NCCL job (its backend
@@ -241,35 +329,42 @@ class TestVotesOfAnNcclJob(DistributedTest):
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
 
 
-@pytest.mark.parametrize("policy", ["auto", "first_step"])
-class TestVotesInSteadyState(DistributedTest):
-    """Uniform usage: with "auto" every later step still checks each fetch by a vote; with "first_step" no
-    vote is cast once the first step found the same modules everywhere (0.19.8's steady state)."""
+@pytest.mark.parametrize("usage", ["uniform", "skip_after_uniform", "extra_after_uniform"])
+@pytest.mark.parametrize("policy", ["auto", "always"])
+class TestVotesPerStep(DistributedTest):
+    """How many fetch votes each step casts. "auto": the first steps vote (no agreed schedule yet); from the
+    step after the ranks agreed on one, none, with uniform usage and also when a rank skips modules (it takes
+    part in their fetches without votes); a rank that runs a module the schedule lacks makes every rank
+    switch to votes for the rest of that step, and the schedule is agreed again after it. "always": every
+    step votes."""
     world_size = 2
     exec_timeout = 60
 
-    def test_votes(self, policy, monkeypatch):
+    def test_votes(self, usage, policy, monkeypatch):
         from deepspeed.runtime.zero.fetch_ballot import FetchBallot  # new in this change
         polls = []
         real_poll = FetchBallot._poll
         monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
-        scenario = Scenario("uniform", "", lambda r, s, m: (True, "ab"))
+        scenario = Scenario(usage, "", LATE.get(usage, lambda r, s, m: (True, "ab")))
         config = _config(fetch_agreement=policy)
         engine = make_engine(scenario, config)
         rank, counts = dist.get_rank(), []
-        for step in range(STEPS):
+        for step in range(STEPS + 2):
             polls.clear()
             x, image, route = batch(scenario, rank, step, 0, device=device())
             engine.backward(engine(x, image, route))
             engine.step()
             counts.append(len(polls))
-        assert counts[0] > 0, "the first step votes (no agreed trace yet)"
-        if policy == "first_step":
-            assert counts[1:] == [0] * (STEPS - 1), counts
-        else:
-            assert all(c > 0 for c in counts[1:]), counts
+        schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+        if policy == "always":
+            assert schedule is None and all(c > 0 for c in counts), counts
+        elif usage == "extra_after_uniform":  # leaves the schedule at every step from step 1 on
+            assert counts[0] > 0 and schedule.switches > 0, (counts, schedule.switches)
+        else:  # the first step votes and its events become the schedule
+            assert counts[0] > 0 and counts[1:] == [0] * (STEPS + 1) and schedule.switches == 0, (counts,
+                                                                                                 schedule.switches)
         mine = full_params(engine.module, 3)
-        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS + 2), config, STEPS + 2)
 
 
 @pytest.mark.parametrize("usage", ["skip_after_uniform", "extra_after_uniform"])
