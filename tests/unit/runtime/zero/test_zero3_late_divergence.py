@@ -329,14 +329,22 @@ class TestVotesOfAnNcclJob(DistributedTest):
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
 
 
-@pytest.mark.parametrize("usage", ["uniform", "skip_after_uniform", "extra_after_uniform"])
+# usages whose ranks differ from the first step on, at every step
+FROM_THE_START = {
+    "images_on_rank0": lambda r, s, m: (r == 0, "ab"),  # #4933: the projector runs on rank 0 only
+    "order_by_rank": lambda r, s, m: (True, "ab" if r == 0 else ("b", "a")),
+}
+
+
+@pytest.mark.parametrize("usage", ["uniform", "skip_after_uniform", "extra_after_uniform", *FROM_THE_START])
 @pytest.mark.parametrize("policy", ["auto", "always"])
 class TestVotesPerStep(DistributedTest):
-    """How many fetch votes each step casts. "auto": the first steps vote (no agreed schedule yet); from the
-    step after the ranks agreed on one, none, with uniform usage and also when a rank skips modules (it takes
-    part in their fetches without votes); a rank that runs a module the schedule lacks makes every rank
-    switch to votes for the rest of that step, and the schedule is agreed again after it. "always": every
-    step votes."""
+    """How many fetch votes each step casts. "auto": the first step votes (no agreed schedule yet) and its
+    events, merged over the ranks where they differ, become the schedule; from then on no step votes, with
+    uniform usage, when a rank skips modules (it takes part in their fetches without votes), and when the
+    ranks differ from the start (the merged schedule holds every rank's modules). A rank that runs a module
+    the schedule lacks makes every rank switch to votes for the rest of that step; the schedule then merges
+    what the ranks ran. "always": every step votes."""
     world_size = 2
     exec_timeout = 60
 
@@ -345,7 +353,7 @@ class TestVotesPerStep(DistributedTest):
         polls = []
         real_poll = FetchBallot._poll
         monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
-        scenario = Scenario(usage, "", LATE.get(usage, lambda r, s, m: (True, "ab")))
+        scenario = Scenario(usage, "", {**LATE, **FROM_THE_START}.get(usage, lambda r, s, m: (True, "ab")))
         config = _config(fetch_agreement=policy)
         engine = make_engine(scenario, config)
         rank, counts = dist.get_rank(), []
@@ -358,8 +366,9 @@ class TestVotesPerStep(DistributedTest):
         schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
         if policy == "always":
             assert schedule is None and all(c > 0 for c in counts), counts
-        elif usage == "extra_after_uniform":  # leaves the schedule at every step from step 1 on
-            assert counts[0] > 0 and schedule.switches > 0, (counts, schedule.switches)
+        elif usage == "extra_after_uniform":  # leaves the schedule at step 1, which then holds the projector
+            assert counts[0] > 0 and counts[2:] == [0] * STEPS and schedule.switches == 1, (counts,
+                                                                                           schedule.switches)
         else:  # the first step votes and its events become the schedule
             assert counts[0] > 0 and counts[1:] == [0] * (STEPS + 1) and schedule.switches == 0, (counts,
                                                                                                  schedule.switches)
