@@ -28,6 +28,46 @@ sys.path.insert(0, str(ROOT / "tests"))
 COLLECTIVES = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast",
                "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv")
+# every torch.distributed collective, whoever calls it (DeepSpeed's comm layer, a gloo vote group, ...)
+TORCH_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                     "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast", "all_to_all",
+                     "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+                     "all_gather_object", "broadcast_object_list", "gather", "scatter")
+
+
+def count_torch_collectives(signatures):
+    """Wrap torch.distributed's collectives: each call adds (op, backend and size of its group, elements) to
+    ``signatures`` (a Counter), the outermost call only."""
+    import torch
+    import torch.distributed as tdist
+    depth = [0]
+
+    def numel(args, kwargs):
+        for value in list(args) + list(kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                return value.numel()
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+                return sum(t.numel() for t in value)
+        return 0
+
+    for name in TORCH_COLLECTIVES:
+        fn = getattr(tdist, name, None)
+        if fn is None:
+            continue
+
+        def counted(*a, __fn=fn, __name=name, **k):
+            depth[0] += 1
+            try:
+                if depth[0] == 1:
+                    group = k.get("group")
+                    size = tdist.get_world_size(group) if group is not None else tdist.get_world_size()
+                    backend = str(tdist.get_backend(group))
+                    signatures[(__name, f"{backend}x{size}", numel(a, k))] += 1
+                return __fn(*a, **k)
+            finally:
+                depth[0] -= 1
+
+        setattr(tdist, name, counted)
 
 
 def build_model(args):
@@ -99,10 +139,14 @@ def build_model(args):
 
 
 def rank_main(args):
+    import collections
     import torch
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
+
+    signatures = collections.Counter()
+    count_torch_collectives(signatures)
 
     # Count every collective ZeRO issues: they all go through deepspeed.comm's backend object.
     counts = {"n": 0}
@@ -156,13 +200,14 @@ def rank_main(args):
             return True
         return (rank + step) % 2 == 0  # divergent: half the ranks have an image batch, alternating
 
-    times, collectives, routes = [], [], []
+    times, collectives, routes, last_signatures = [], [], [], {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         get_accelerator().synchronize()
         dist.barrier()
         before = counts["n"]
+        signatures.clear()
         t0 = time.perf_counter()
         if args.model == "moe":
             loss = engine(tokens[step])
@@ -176,6 +221,7 @@ def rank_main(args):
         if step >= args.warmup:
             times.append(t1 - t0)
             collectives.append(counts["n"] - before)
+            last_signatures = dict(signatures)
     per_step = torch.tensor(times, device=device)  # the job's step time is the slowest rank's
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024], device=device)
@@ -198,6 +244,8 @@ def rank_main(args):
             "collectives_per_step": sorted(set(collectives)),
             "param_digest": digest if len(set(digests)) == 1 else "ranks differ: " + ",".join(digests),
             "param_sum": flat.sum().item(),
+            # the last timed step's torch.distributed collectives, on every group: "op backendxsize elements"
+            "torch_collectives": {f"{op} {group} {n}": c for (op, group, n), c in sorted(last_signatures.items())},
         }
         if args.model == "moe":  # did the ranks run different experts (at the first step: votes stay on)?
             differ = [len({str(r[s]) for r in all_routes}) > 1 for s in range(len(routes))]
