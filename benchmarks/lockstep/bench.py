@@ -56,6 +56,10 @@ def run_once(python, case, args, out):
         str(args.warmup), "--steps",
         str(args.steps)
     ]
+    if args.persistence_threshold is not None:
+        cmd += ["--persistence-threshold", str(args.persistence_threshold)]
+    if args.prefetch_bucket_size is not None:
+        cmd += ["--prefetch-bucket-size", str(args.prefetch_bucket_size)]
     if args.model == "moe":
         cmd += ["--model", "moe", "--experts", str(args.experts), "--leaf", str(int(case["declaration"] == "leaf"))]
     # one JIT-extensions dir per interpreter, kept across runs (the harness would build a fresh one each time)
@@ -118,6 +122,8 @@ def markdown(results, args, machine):
         f"Machine: {machine}. World size {args.world_size}, {args.dtype}, hidden {args.hidden}, {args.layers}{moe} "
         f"blocks, seq {args.seq}, micro-batch {args.batch}, overlap_comm={bool(args.overlap_comm)}, "
         f"contiguous_gradients={bool(args.contiguous_gradients)}, reduce_bucket_size={args.bucket_size}, "
+        f"stage3_param_persistence_threshold={args.persistence_threshold if args.persistence_threshold is not None else 'default'}, "
+        f"stage3_prefetch_bucket_size={args.prefetch_bucket_size if args.prefetch_bucket_size is not None else 'default'}, "
         f"{args.registration} registration order; "
         f"{args.reps} interleaved repetitions x {args.steps} timed steps after {args.warmup} warm-up steps.", "",
         f"| stage | usage | upstream step (ms) | fork step (ms) | fork/upstream time | fork spread (ms) | "
@@ -224,6 +230,10 @@ def main():
     p.add_argument("--overlap-comm", action="store_true")
     p.add_argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false")
     p.add_argument("--bucket-size", type=int, default=500_000_000)
+    p.add_argument("--persistence-threshold",
+                   type=int,
+                   help="ZeRO-3 stage3_param_persistence_threshold (default: DeepSpeed's; 0: every parameter fetched)")
+    p.add_argument("--prefetch-bucket-size", type=int, help="ZeRO-3 stage3_prefetch_bucket_size (default: DeepSpeed's)")
     p.add_argument("--registration",
                    choices=["forward", "reversed"],
                    default="forward",

@@ -147,6 +147,10 @@ def rank_main(args):
 
     signatures = collections.Counter()
     count_torch_collectives(signatures)
+    backend = deepspeed.comm.comm.cdb  # keeps references to two of them from before
+    if backend is not None and getattr(backend, "all_gather_function", None) is not None:
+        backend.all_gather_function = backend.get_all_gather_function()
+        backend.reduce_scatter_function = backend.get_reduce_scatter_function()
 
     # Count every collective ZeRO issues: they all go through deepspeed.comm's backend object.
     counts = {"n": 0}
@@ -179,6 +183,10 @@ def rank_main(args):
     }
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if args.persistence_threshold is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
+    if args.prefetch_bucket_size is not None:
+        config["zero_optimization"]["stage3_prefetch_bucket_size"] = args.prefetch_bucket_size
     model = build_model(args)
     if args.leaf:
         deepspeed.utils.set_z3_leaf_modules(model, [type(model.blocks[0])])
@@ -274,6 +282,8 @@ def main():
     p.add_argument("--model", choices=["mlp", "moe"], default="mlp")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--leaf", type=int, default=0, help="--model moe: the MoE block as a ZeRO-3 leaf module")
+    p.add_argument("--persistence-threshold", type=int, default=None, help="ZeRO-3 (default: DeepSpeed's)")
+    p.add_argument("--prefetch-bucket-size", type=int, default=None, help="ZeRO-3 (default: DeepSpeed's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--deadline", type=float, default=600)

@@ -300,6 +300,66 @@ class TestGradientArrivesLaterThanAgreed(DistributedTest):
         _assert_replayed(engine, leaves=True)
 
 
+class ProjectedInput(torch.nn.Module):
+    """An image projection added to the raw input on batches with an image: the first block's input needs a
+    gradient on those batches only, so its post-backward hook fires on those ranks only."""
+
+    def __init__(self, hidden=8, layers=3):
+        super().__init__()
+        self.image_proj = torch.nn.Linear(hidden, hidden)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, image=None):
+        h = x if image is None else x + self.image_proj(image)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h).pow(2).mean()
+
+
+class TestImagesAlternateAcrossRanks(DistributedTest):
+    """Images on one rank, then the other, at every step, added to the raw input: after the first step (where
+    the ranks vote and their merged events become the schedule) no step votes or switches, and the
+    parameters are the reference's."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, monkeypatch):
+        from deepspeed.runtime.zero.fetch_ballot import FetchBallot  # new in this change
+        polls = []
+        real_poll = FetchBallot._poll
+        monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+
+        def data(r, s):
+            g = torch.Generator().manual_seed(SEED + 1000 * r + s)
+            x, image = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+            return x, (image if (r + s) % 2 == 0 else None)
+
+        def model_and_optimizer():
+            torch.manual_seed(SEED)
+            model = ProjectedInput()
+            return model, _optimizer(model)
+
+        config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
+        model, optimizer = model_and_optimizer()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        counts = []
+        for step in range(STEPS):
+            polls.clear()
+            x, image = data(rank, step)
+            engine.backward(engine(x.to(device()), image.to(device()) if image is not None else None))
+            engine.step()
+            counts.append(len(polls))
+        mine = full_params(engine.module, 3)
+        ref_model, ref_optimizer = model_and_optimizer()
+        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1, lambda r, s, m: ref_model(*data(r, s)))
+        assert_lockstep(mine, ref, config, STEPS)
+        schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+        assert counts[0] > 0 and counts[1:] == [0] * (STEPS - 1) and schedule.switches == 0, (counts,
+                                                                                              schedule.switches)
+
+
 class TestVotesOfAnNcclJob(DistributedTest):
     """An NCCL data-parallel group cannot carry the CPU votes: ZeRO-3 builds a gloo group of the same ranks
     for them. The CPU machine has no NCCL, so the group is built here as for an NCCL job (its backend
