@@ -89,6 +89,8 @@ def summarize(lines):
     if "routing_differs" in lines[0]:  # --model moe
         summary["routing_differs"] = [l["routing_differs"] for l in lines]
         summary["experts_run"] = [l["experts_run"] for l in lines]
+    if "schedule_switches" in lines[0]:
+        summary["schedule_switches"] = [l["schedule_switches"] for l in lines]
     return summary
 
 
@@ -244,6 +246,10 @@ def main():
                    help="'moe': per-expert MoE blocks with natural routing (ZeRO-3); cases by --declarations")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--declarations", nargs="+", default=["leaf", "none"], choices=["leaf", "none"])
+    p.add_argument("--upstream-none",
+                   action="store_true",
+                   help="--model moe: run upstream without declaration too (only where every rank runs every expert: "
+                   "enough tokens per rank, else 0.19.8 hangs until the deadline)")
     p.add_argument("--fork-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--upstream-python", help="default: the venv scripts/fork.py verify uses (created if missing)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "lockstep" / "out"))
@@ -270,7 +276,7 @@ def main():
                 name = f"{stage}-{label(case).replace(', ', '-')}"
                 files = {side: str(Path(tmp, f"{side}-{name}.jsonl")) for side in ("fork", "upstream")}
                 sides = [("fork", args.fork_python), ("upstream", args.upstream_python)]
-                if case.get("declaration") == "none" and args.world_size > 1:
+                if case.get("declaration") == "none" and args.world_size > 1 and not args.upstream_none:
                     sides = sides[:1]  # vanilla upstream cannot run it (collective mismatch / hang)
                 if usage == "divergent" and args.world_size > 1:
                     if stage not in LOCKSTEP_STAGES:

@@ -255,6 +255,10 @@ def rank_main(args):
             # the last timed step's torch.distributed collectives, on every group: "op backendxsize elements"
             "torch_collectives": {f"{op} {group} {n}": c for (op, group, n), c in sorted(last_signatures.items())},
         }
+        schedule = getattr(getattr(engine.optimizer, "parameter_offload", None), "get_param_coordinator", None)
+        schedule = getattr(schedule(), "fetch_schedule", None) if schedule is not None else None
+        if schedule is not None:  # the fork's ZeRO-3 fetch schedule: how often the ranks switched to votes
+            out["schedule_switches"] = schedule.switches
         if args.model == "moe":  # did the ranks run different experts (at the first step: votes stay on)?
             differ = [len({str(r[s]) for r in all_routes}) > 1 for s in range(len(routes))]
             out["routing_differs"] = [differ[0], sum(differ[args.warmup:]), args.steps]

@@ -72,7 +72,7 @@ class TestSwitchExpertsDifferAfterUniformSteps(DistributedTest):
     """The configuration of the report: fp32, 4096-element buckets, small parameters resident, prefetching on
     (4096) or off."""
     world_size = 2
-    exec_timeout = 180
+    exec_timeout = 90
 
     def test_lockstep(self, prefetch):
         rank, world_size = dist.get_rank(), dist.get_world_size()

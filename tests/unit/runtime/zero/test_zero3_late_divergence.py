@@ -19,6 +19,7 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from unit.common import DistributedTest
@@ -445,6 +446,9 @@ class TestHierarchicalPartitions(DistributedTest):
     exec_timeout = 90
 
     def test_lockstep(self, usage):
+        if get_accelerator().device_name() == "cuda" and dist.get_backend() == "gloo":
+            pytest.skip("ranks sharing a GPU over gloo: upstream's hpZ group creation calls perform_nocolor_split, "
+                        "which a gloo process group of CUDA torch does not have")
         scenario = Scenario(usage, usage, LATE[usage])
         config = _config(zero_hpz_partition_size=2)
         mine = train_deepspeed(scenario, config, steps=STEPS)
