@@ -176,8 +176,10 @@ def markdown(results, args, machine):
         lines.append("- upstream with divergent usage is not run: 0.19.8 aborts with a collective mismatch or hangs")
     lines.append("- final parameters: digests of the parameters after the last step, over all repetitions; "
                  "uniform usage must be bit-identical fork vs upstream")
-    lines += ["", "Every torch.distributed collective of the last timed step, on every group (op, backend x group "
-              "size, elements: count):", ""]
+    lines += [
+        "", "Every torch.distributed collective of the last timed step, on every group (op, backend x group "
+        "size, elements: count):", ""
+    ]
     for r in results:
         for side in ("upstream", "fork"):
             if r[side] is not None:
@@ -235,7 +237,9 @@ def main():
     p.add_argument("--persistence-threshold",
                    type=int,
                    help="ZeRO-3 stage3_param_persistence_threshold (default: DeepSpeed's; 0: every parameter fetched)")
-    p.add_argument("--prefetch-bucket-size", type=int, help="ZeRO-3 stage3_prefetch_bucket_size (default: DeepSpeed's)")
+    p.add_argument("--prefetch-bucket-size",
+                   type=int,
+                   help="ZeRO-3 stage3_prefetch_bucket_size (default: DeepSpeed's)")
     p.add_argument("--registration",
                    choices=["forward", "reversed"],
                    default="forward",

@@ -253,7 +253,10 @@ def rank_main(args):
             "param_digest": digest if len(set(digests)) == 1 else "ranks differ: " + ",".join(digests),
             "param_sum": flat.sum().item(),
             # the last timed step's torch.distributed collectives, on every group: "op backendxsize elements"
-            "torch_collectives": {f"{op} {group} {n}": c for (op, group, n), c in sorted(last_signatures.items())},
+            "torch_collectives": {
+                f"{op} {group} {n}": c
+                for (op, group, n), c in sorted(last_signatures.items())
+            },
         }
         schedule = getattr(getattr(engine.optimizer, "parameter_offload", None), "get_param_coordinator", None)
         schedule = getattr(schedule(), "fetch_schedule", None) if schedule is not None else None

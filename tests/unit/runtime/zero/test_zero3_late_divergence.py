@@ -354,7 +354,8 @@ class TestImagesAlternateAcrossRanks(DistributedTest):
             counts.append(len(polls))
         mine = full_params(engine.module, 3)
         ref_model, ref_optimizer = model_and_optimizer()
-        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1, lambda r, s, m: ref_model(*data(r, s)))
+        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(*data(r, s)))
         assert_lockstep(mine, ref, config, STEPS)
         schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
         assert counts[0] > 0 and counts[1:] == [0] * (STEPS - 1) and schedule.switches == 0, (counts,
@@ -428,11 +429,10 @@ class TestVotesPerStep(DistributedTest):
         if policy == "always":
             assert schedule is None and all(c > 0 for c in counts), counts
         elif usage == "extra_after_uniform":  # leaves the schedule at step 1, which then holds the projector
-            assert counts[0] > 0 and counts[2:] == [0] * STEPS and schedule.switches == 1, (counts,
-                                                                                           schedule.switches)
+            assert counts[0] > 0 and counts[2:] == [0] * STEPS and schedule.switches == 1, (counts, schedule.switches)
         else:  # the first step votes and its events become the schedule
             assert counts[0] > 0 and counts[1:] == [0] * (STEPS + 1) and schedule.switches == 0, (counts,
-                                                                                                 schedule.switches)
+                                                                                                  schedule.switches)
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS + 2), config, STEPS + 2)
 
