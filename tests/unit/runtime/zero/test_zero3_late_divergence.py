@@ -14,6 +14,8 @@ Oracles: every rank finishes within the deadline; parameters identical across ra
 plain-PyTorch reference (a gradient missing on a rank counts as zero); evaluation losses equal the
 reference model's; parameters partitioned at rest after each step."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,8 +26,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SEED, Scenario, agree_on_every_rank, assert_lockstep, batch, device,
-                                                  full_params, make_engine, reference_training, train_deepspeed,
-                                                  train_reference, zero_config)
+                                                  full_params, make_engine, make_model, make_optimizer,
+                                                  reference_training, train_deepspeed, train_reference, zero_config)
 from unit.runtime.zero.test_zero3_conditional_fetch import _experts_used, _moe_batch, _moe_model, _optimizer
 
 STEPS = 4
@@ -150,9 +152,9 @@ class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
 
 
 class TestEvaluateAfterUniformTraining(DistributedTest):
-    """Every rank trains on the same batches (the trace is agreed at the first step and the votes only check
-    it), then each rank evaluates its own batches, whose tokens go to different experts per rank, then
-    training goes on with the same batches everywhere."""
+    """Every rank trains on the same batches (the fetch schedule is agreed at the first step), then each rank
+    evaluates its own batches, whose tokens go to different experts per rank, then training goes on with the
+    same batches everywhere."""
     world_size = 2
     exec_timeout = 90
 
@@ -188,6 +190,48 @@ class TestEvaluateAfterUniformTraining(DistributedTest):
         ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
                                  lambda r, s, m: ref_model(train_batch(r, s)))
         assert_lockstep(mine, ref, config, STEPS)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "eval"])
+class TestEvaluationRunsAModuleTheScheduleLacks(DistributedTest):
+    """Training without images on every rank (the schedule has no projector), then an evaluation forward
+    with an image on rank 0 only, under ``torch.no_grad()`` or with the module in eval mode (autograd on):
+    rank 0 leaves the schedule and no backward follows, so the flags ride on the evaluation's end, where
+    every rank switches to votes. Its loss equals the plain-PyTorch model's; training then goes on."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, mode):
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        scenario = Scenario("text_only", "", lambda r, s, m: (False, "ab"))
+        config = _config(**SHORT_PREFETCH)
+        engine = make_engine(scenario, config)
+        evaluated = None
+        for step in range(STEPS):
+            if step == 2:
+                x, image, route = batch(scenario, rank, 100, 0, device=device())
+                image = torch.ones_like(x) if rank == 0 else None
+                engine.eval()
+                with torch.no_grad() if mode == "no_grad" else contextlib.nullcontext():
+                    evaluated = engine(x, image, route).item()
+                engine.train()
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward(engine(x, image, route))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+        assert schedule.switches == 1, f"{schedule.switches} switches to votes"
+
+        ref_model = make_model(scenario)
+        ref_optimizer = make_optimizer(ref_model, scenario)
+        reference_training(ref_model, ref_optimizer, world_size, 2, 1,
+                           lambda r, s, m: ref_model(*batch(scenario, r, s, m)))
+        with torch.no_grad():
+            x, _, route = batch(scenario, rank, 100, 0)
+            expected = ref_model(x, torch.ones_like(x) if rank == 0 else None, route).item()
+        agree_on_every_rank(abs(evaluated - expected) <= 1e-6 + 1e-5 * abs(expected),
+                            f"rank {rank}: evaluation loss {evaluated}, plain PyTorch {expected}")
+        assert_lockstep(mine, train_reference(scenario, world_size, STEPS), config, STEPS)
 
 
 class GatedLayer(torch.nn.Module):
