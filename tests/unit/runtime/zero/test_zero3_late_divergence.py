@@ -229,8 +229,9 @@ class TestEvaluationRunsAModuleTheScheduleLacks(DistributedTest):
         with torch.no_grad():
             x, _, route = batch(scenario, rank, 100, 0)
             expected = ref_model(x, torch.ones_like(x) if rank == 0 else None, route).item()
-        agree_on_every_rank(abs(evaluated - expected) <= 1e-6 + 1e-5 * abs(expected),
-                            f"rank {rank}: evaluation loss {evaluated}, plain PyTorch {expected}")
+        agree_on_every_rank(
+            abs(evaluated - expected) <= 1e-6 + 1e-5 * abs(expected),
+            f"rank {rank}: evaluation loss {evaluated}, plain PyTorch {expected}")
         assert_lockstep(mine, train_reference(scenario, world_size, STEPS), config, STEPS)
 
 
