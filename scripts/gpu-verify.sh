@@ -9,6 +9,8 @@
 #   again     the uniform slow-side-stream tests LOCKSTEP_GPU_REPEAT (default 4) more times
 #   zero3     the ZeRO-3 fetch schedule's tests (late divergence, Switch Transformers, conditional fetch and
 #             evaluation, Hugging Face models, step cost) on the fork
+#   stepcost  the step-cost test (collectives, host reads and, on the GPU, implicit syncs per phase) on the
+#             fork and on vanilla 0.19.8; prints where the recorded counts differ
 #   bench3    ZeRO-3 fork vs 0.19.8, bf16, hidden 1024 x 8 blocks, 2/4/8 ranks sharing the GPU, uniform;
 #             images alternating across ranks at 2 ranks
 #   benchmoe  per-expert MoE with natural routing: the fork without declaration vs 0.19.8 + leaf modules
@@ -54,6 +56,16 @@ for what in ${@:-streams upstream no0001 suite bench again}; do
       unit/runtime/zero/test_zero3_hf_late_divergence.py unit/runtime/zero/test_zero3_conditional_fetch.py \
       unit/runtime/zero/test_zero3_conditional_eval.py unit/runtime/zero/test_zero3_hf_conditional.py \
       unit/runtime/zero/test_zero_step_cost.py -rf --tb=short -p no:benchmark ;;
+    stepcost)
+      for side in fork upstream; do
+        rm -rf "/tmp/cost-$side" && mkdir -p "/tmp/cost-$side"
+        extra=(); [ $side = upstream ] && extra=(env PYTHONPATH="$UPSTREAM")
+        step "stepcost-$side" "${extra[@]}" env LOCKSTEP_RECORD_DIR="/tmp/cost-$side" bash scripts/test-gpu.sh \
+          unit/runtime/zero/test_zero_step_cost.py -k TestStepCost -rf --tb=short -p no:benchmark
+      done
+      for f in /tmp/cost-fork/*; do
+        echo "--- ${f##*/}"; echo "upstream: $(cat "/tmp/cost-upstream/${f##*/}" 2>/dev/null)"; echo "fork:     $(cat "$f")"
+      done | tee "$OUT/stepcost.txt" ;;
     bench3|benchmoe)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/lockstep-site .whl/*.whl

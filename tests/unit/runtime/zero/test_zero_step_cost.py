@@ -12,7 +12,9 @@ forward: a forward that some ranks run alone (an evaluation or sample generation
 - TestStepCost: counts, per forward, backward and optimizer step of steady-state training with uniform
   usage, the collectives DeepSpeed issues and the host reads of tensor values its code makes (``item``,
   ``tolist``, ``bool``, ``int``, ``float``: each a host-device sync on an accelerator). A forward whose
-  parameters are all resident issues none; every steady step costs the same on every rank. ZeRO-3's fetch
+  parameters are all resident issues none; every steady step costs the same on every rank. On a CUDA
+  device (ranks sharing it, scripts/test-gpu.sh) each phase's implicit host-device synchronizations are
+  counted too, by torch's sync debug mode. ZeRO-3's fetch
   votes (on a CPU group, cast only until the ranks agree on a fetch schedule) are counted apart: none in
   steady state, where every rank replays the agreed schedule.
 """
@@ -20,6 +22,7 @@ forward: a forward that some ranks run alone (an evaluation or sample generation
 import contextlib
 import json  # fork-only
 import sys
+import warnings
 from collections import Counter
 
 import pytest
@@ -110,9 +113,23 @@ class CostRecorder:
 
     @contextlib.contextmanager
     def recording(self, phase):
+        """Count ``phase``'s collectives and host reads; on a CUDA device also every implicit host-device
+        synchronization the phase makes, whoever makes it (torch's sync debug mode warns at each one)."""
         self.phase = phase
+        cuda = torch.device(device()).type == "cuda"
         try:
-            yield
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            if syncs:
+                self.counts[(phase, "implicit syncs", "")] += syncs
         finally:
             self.phase = None
 
