@@ -511,5 +511,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    # run as the module `fork` that verify.py and upstream_pr.py import, so that there is one ForkError class
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.exit(main())
+    import fork
+    sys.exit(fork.main())

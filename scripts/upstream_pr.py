@@ -6,16 +6,19 @@
 folder ready to submit, and checked.
 
 Per PR, in <out>/<nn>-<name>/:
-  patches/       the PR's patches, with the author given (--author, or git config user.*) and a DCO
-                 Signed-off-by: trailer, applying to the pinned release after the patches it depends on
-  tests/         its tests and their helpers at their upstream paths, without the fork-only lines (those
-                 ending in `# fork-only`, and `# fork-only: begin` ... `# fork-only: end` blocks)
+  patches/       the PR's patches, with the author given (--author, required: a real identity) and a DCO
+                 Signed-off-by: trailer, applying to the pinned release after the PRs it depends on; the last
+                 patch adds its tests and their helpers at their upstream paths, without the fork-only lines
+                 (those ending in `# fork-only`, and `# fork-only: begin` ... `# fork-only: end` blocks)
+  tests/         the same tests as files, to read
   docs/          the upstream documentation fragments (docs/upstream/*), each naming the page it goes into
   DESCRIPTION.md the PR description: problem, fix (the patches' messages), tests, links, how it was checked
   PROOF.md       what the checks found
 
 Checks (always): the PR's patches apply (`git am`) to the pinned release after its dependencies; the
-stripped tests compile and hold no fork-only text. With --upstream-repo (a clone of deepspeedai/DeepSpeed):
+stripped tests compile and hold no fork-only text; upstream's pre-commit checks (yapf, flake8, codespell with
+the versions and settings of scripts/lint.sh, and scripts/precommit.py) over the files the PR adds or changes,
+where .cache/venv-lint exists (`bash scripts/lint.sh` creates it); the description says which ran. With --upstream-repo (a clone of deepspeedai/DeepSpeed):
 the tests run under upstream's own test harness (its tests/conftest.py, tests/pytest.ini, tests/unit/common.py
 and util.py, copied from that clone into a scratch directory, never into this repository) on CPU ranks with
 gloo, against the pinned release with the PR's patches and their dependencies.
@@ -42,8 +45,8 @@ FORK_ONLY_WORDS = ("fork-only", "lockstep fork", "LOCKSTEP_", "scripts/fork.py")
 def add_arguments(p):
     p.add_argument("names", nargs="*", help="PRs to write (default: all in prs.toml)")
     p.add_argument("--author",
-                   help='"Name <email>" for authorship and the Signed-off-by: trailer '
-                   "(default: this repository's git config user.name / user.email)")
+                   required=True,
+                   help='"Name <email>" of a real person: authorship and the Signed-off-by: trailer (DCO)')
     p.add_argument("--out", default=str(ROOT / ".cache" / "pr"), help="where the PR folders go")
     p.add_argument("--upstream-repo", help="a clone of deepspeedai/DeepSpeed: run the tests under its own harness")
     p.add_argument("--upstream-rev", default="HEAD", help="revision of --upstream-repo to take the harness from")
@@ -65,20 +68,28 @@ def read_prs():
     return prs
 
 
+# domains reserved for examples and tests (RFC 2606, RFC 6761), and the fork's own placeholder identity
+PLACEHOLDER_EMAIL = re.compile(r"@(.*\.)?(example(\.com|\.org|\.net)?|invalid|localhost|test|local)$", re.I)
+
+
 def author_identity(given):
-    if given:
-        m = re.fullmatch(r"\s*(.+?)\s*<([^<>@\s]+@[^<>\s]+)>\s*", given)
-        if not m:
-            raise fork.ForkError(f'--author must look like "Name <email>", not {given!r}')
-        return m.group(1), m.group(2)
-    name = subprocess.run(["git", "-C", str(ROOT), "config", "user.name"], capture_output=True,
-                          text=True).stdout.strip()
-    email = subprocess.run(["git", "-C", str(ROOT), "config", "user.email"], capture_output=True,
-                           text=True).stdout.strip()
-    if not name or not email:
-        raise fork.ForkError('no author: pass --author "Name <email>" (DCO needs a real identity) or set git config '
-                             "user.name and user.email")
+    """The PR's author, who signs the Developer Certificate of Origin: refused unless it names a real person."""
+    m = re.fullmatch(r"\s*(.+?)\s*<([^<>@\s]+@[^<>\s]+)>\s*", given or "")
+    if not m:
+        raise fork.ForkError(f'--author must look like "Name <email>", not {given!r}')
+    name, email = m.group(1), m.group(2)
+    if PLACEHOLDER_EMAIL.search(email) or email == fork.IDENTITY[1]:
+        raise fork.ForkError(f"--author {given!r} is a placeholder: the Signed-off-by: trailer certifies the DCO, "
+                             "so it must name the person who submits the PR")
     return name, email
+
+
+def patch_subject(text):
+    """The Subject: of a format-patch file, its folded continuation lines (RFC 5322) unfolded."""
+    header = text.split("\n\n", 1)[0]
+    m = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", header, re.M)
+    subject = re.sub(r"\n[ \t]+", " ", m.group(1))
+    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
 
 
 def signed_patch(text, name, email):
@@ -128,10 +139,89 @@ def prove_applies(pr, pin, sdist, patch_dir, tmp):
     dep_dir.mkdir()
     for n in pr["depends"]:
         shutil.copy(fork.PATCHES / n, dep_dir / n)
-    for n in pr["patches"]:
-        shutil.copy(patch_dir / n, dep_dir / n)
+    for number, n in enumerate(pr["patches"], 1):
+        shutil.copy(patch_dir / f"{number:04d}{n[4:]}", dep_dir / n)
     fork.materialize(tree, pin, sdist, pr["depends"] + pr["patches"], source_dir=dep_dir)
     return tree
+
+
+def stripped_files(pr):
+    """The PR's tests and helpers as upstream receives them: {upstream path: text}."""
+    return {rel: strip_fork_only((ROOT / rel).read_text()) for rel in pr["tests"] + pr["helpers"]}
+
+
+def commit_tests(pr, prs, tree, author, folder):
+    """Add the PR's tests to its series as one more signed-off commit, after the stripped tests of the PRs it
+    depends on (so that a helper they share is added once, and grown by a diff)."""
+    name, email = author
+    env = {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email
+    }
+    for files in [stripped_files(dep) for dep in depended_prs(pr, prs)] + [stripped_files(pr)]:
+        for rel, text in files.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(text)
+        fork.git(tree, "add", "-f", *files)
+        fork.git(tree,
+                 "commit",
+                 "-q",
+                 "--no-verify",
+                 "--allow-empty",
+                 "-s",
+                 "-m",
+                 f"tests: {pr['name']}\n\nThe tests of this change:\n\n" + "\n".join(f"- {rel}"
+                                                                                     for rel in pr["tests"]),
+                 env=env)
+    out = fork.git(tree,
+                   *fork.FORMAT_PATCH,
+                   "-1",
+                   "--start-number",
+                   str(len(pr["patches"]) + 1),
+                   "-o",
+                   str(folder / "patches"),
+                   env=env).stdout.strip()
+    return Path(out.splitlines()[-1]).name
+
+
+def depended_prs(pr, prs):
+    """The PRs of the series whose patches this PR applies after, in order."""
+    return [other for other in prs if other is not pr and set(other["patches"]) & set(pr["depends"])]
+
+
+def run_checks(folder, tree):
+    """Upstream's pre-commit checks over the files the PR adds or changes, as scripts/lint.sh runs them; a
+    list of (check, outcome) pairs, each saying whether it ran."""
+    changed = [
+        f for f in fork.git(tree, "diff", "--name-only", "--diff-filter=AM", fork.BASE_TAG, "HEAD").stdout.split()
+        if (tree / f).is_file()
+    ]
+    py = [f for f in changed if f.endswith(".py")]
+    venv = ROOT / ".cache" / "venv-lint" / "bin"
+    results = []
+    p = subprocess.run(["python3", str(ROOT / "scripts" / "precommit.py"), *changed],
+                       cwd=tree,
+                       capture_output=True,
+                       text=True)
+    results.append(("license, torchdist, torchcuda, hygiene (scripts/precommit.py)",
+                    "ok" if p.returncode == 0 else "FAILED: " + p.stdout.strip().replace("\n", "; ")))
+    tools = [
+        ("yapf 0.40.0", [str(venv / "yapf"), "--style",
+                         str(ROOT / ".style.yapf"), "--diff", *py]),
+        ("flake8 5.0.4", [str(venv / "flake8"), "--config",
+                          str(ROOT / ".flake8"), *py]),
+        ("codespell 2.1.0",
+         [str(venv / "codespell"), "--ignore-regex=\\\\n", "--ignore-words-list=youn,unsupport,noe,cann", *changed])
+    ]
+    for label, cmd in tools:
+        if not Path(cmd[0]).exists():
+            results.append((label, "not run (no .cache/venv-lint: `bash scripts/lint.sh` creates it)"))
+            continue
+        p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+        results.append((label, "ok" if p.returncode == 0 else f"FAILED ({len(p.stdout.splitlines())} lines)"))
+    return [(f"{label} on the {len(changed)} files the PR adds or changes", outcome) for label, outcome in results]
 
 
 def run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp):
@@ -169,22 +259,19 @@ def run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp):
     return p.returncode, summary[-1] if summary else "", failures
 
 
-def write_pr(index, pr, author, out, pin, sdist, upstream_repo, rev):
+def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
     name, email = author
     folder = Path(out) / f"{index:02d}-{pr['name']}"
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "patches").mkdir(parents=True)
     messages = []
-    for n in pr["patches"]:
+    for number, n in enumerate(pr["patches"], 1):  # numbered within the PR, as `git format-patch` numbers them
         text = signed_patch((fork.PATCHES / n).read_text(), name, email)
-        (folder / "patches" / n).write_text(text)
+        (folder / "patches" / f"{number:04d}{n[4:]}").write_text(text)
         body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
-        subject = re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", text, re.M).group(1)
-        messages.append((n, subject, body.strip()))
+        messages.append((n, patch_subject(text), body.strip()))
     problems = []
-    for rel in pr["tests"] + pr["helpers"]:
-        src = ROOT / rel
-        stripped = strip_fork_only(src.read_text())
+    for rel, stripped in stripped_files(pr).items():
         target = folder / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(stripped)
@@ -199,24 +286,31 @@ def write_pr(index, pr, author, out, pin, sdist, upstream_repo, rev):
         target = folder / "docs" / Path(rel).name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, target)
-    proof = [f"# Checks for PR {index:02d} {pr['name']}", ""]
+    deps = depended_prs(pr, prs)
+    checks = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             tree = prove_applies(pr, pin, sdist, folder / "patches", tmp)
-            proof.append(f"- applies to {pin['name']} {pin['version']} (sdist sha256 {pin['sdist_sha256'][:12]}...)"
-                         f" after {len(pr['depends'])} patch(es) it depends on: yes")
+            after = f" after the {len(deps)} PR(s) it depends on" if deps else ""
+            checks.append((f"applies to {pin['name']} {pin['version']} (sdist sha256 {pin['sdist_sha256'][:12]}...)"
+                           f"{after}", "yes"))
+            tests_patch = commit_tests(pr, prs, tree, author, folder)
+            checks.append((f"its tests as the last patch ({tests_patch})", "yes"))
+            checks += run_checks(folder, tree)
         except fork.ForkError as error:
             problems.append(f"does not apply: {error}")
             tree = None
         if tree is not None and upstream_repo:
             code, summary, failures = run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp)
-            proof.append(f"- tests under upstream's harness ({upstream_repo} at {rev}; CPU, gloo, LOCAL_SIZE=4): "
-                         f"{summary or 'no summary'}")
-            proof += [f"  - {f}" for f in failures]
+            checks.append((f"tests under upstream's harness ({upstream_repo} at {rev}; CPU, gloo, LOCAL_SIZE=4)",
+                           (summary or "no summary") + "".join(f"; {f}" for f in failures)))
             if code not in (0, 5):
                 problems.append(f"tests fail under upstream's harness: {summary}")
         elif tree is not None:
-            proof.append("- tests under upstream's harness: not run (no --upstream-repo)")
+            checks.append(("tests under upstream's harness", "not run (no --upstream-repo)"))
+    problems += [f"{check}: {outcome}" for check, outcome in checks if outcome.startswith("FAILED")]
+    lines = [f"- {check}: {outcome}" for check, outcome in checks]
+    proof = [f"# Checks for PR {index:02d} {pr['name']}", "", *lines]
     proof += [f"- problem: {p}" for p in problems] or ["- problems: none"]
     (folder / "PROOF.md").write_text("\n".join(proof) + "\n")
     description = [
@@ -227,12 +321,12 @@ def write_pr(index, pr, author, out, pin, sdist, upstream_repo, rev):
         description += [f"### {subject}", "", body, ""]
     description += ["## Tests", ""]
     description += [f"- `{t}`" for t in pr["tests"]]
-    if pr["depends"]:
-        description += ["", "## Depends on", "", "Applies after: " + ", ".join(f"`{n}`" for n in pr["depends"])]
-    description += [
-        "", "## How it was checked", "", "- `pre-commit` hooks of the repository (yapf, flake8, codespell, license, "
-        "torchdist, torchcuda) on the changed files", "- " + "\n- ".join(proof[2:])
-    ]
+    if deps:
+        description += ["", "## Depends on", ""]
+        description += [
+            f"- PR {prs.index(dep) + 1:02d} of this series, {dep['title']} (`{dep['name']}`)" for dep in deps
+        ]
+    description += ["", "## How it was checked", "", *lines]
     (folder / "DESCRIPTION.md").write_text("\n".join(description) + "\n")
     return folder, problems
 
@@ -250,7 +344,8 @@ def run(args):
     for index, pr in enumerate(prs, 1):
         if pr["name"] not in wanted:
             continue
-        folder, problems = write_pr(index, pr, author, args.out, pin, sdist, args.upstream_repo, args.upstream_rev)
+        folder, problems = write_pr(index, pr, prs, author, args.out, pin, sdist, args.upstream_repo,
+                                    args.upstream_rev)
         print(f"pr: {folder.relative_to(Path(args.out).parent)}: "
               f"{'ok' if not problems else '; '.join(problems)}")
         status |= bool(problems)

@@ -5,7 +5,7 @@
 """ZeRO-3 evaluation on every rank (``engine.eval()`` and ``torch.no_grad()``, as ``Trainer.evaluate``
 runs it) while the ranks run different modules: experts that get tokens on some ranks only, an image
 projector on the rank with images. Fetches in such a forward must be the same collectives on every rank,
-as in training; 0.19.8 aborts (gloo: size mismatch) or hangs.
+as in training; without this change they abort (gloo: size mismatch) or hang.
 
 Oracles: every rank finishes within the deadline; each rank's evaluation losses equal those of a
 plain-PyTorch model trained by the reference algorithm to the same step; training after the evaluation

@@ -4,7 +4,7 @@
 # DeepSpeed Team
 """ZeRO-3 modules that run on some ranks only, with their parameters partitioned (fetched), and no
 declaration: a projector used on image batches only, branches taken by some ranks or in another order,
-per-expert MoE layers whose experts get tokens on some ranks only. 0.19.8 aborts in the forward's
+per-expert MoE layers whose experts get tokens on some ranks only. Without this change ZeRO-3 aborts in the forward's
 parameter all-gather (gloo: size mismatch) or hangs (a rank in backward's reduce-scatter, another in the
 next fetch). The same oracles as the other lockstep tests: every rank finishes within the deadline, the
 parameters are identical across ranks and equal a plain-PyTorch reference (a gradient missing on a rank

@@ -5,9 +5,9 @@
 """A real Hugging Face Switch Transformers model (tiny config, random weights, nothing downloaded) under ZeRO-3
 with natural routing and no declaration: each rank trains on its own batches drawn from the whole vocabulary.
 For the first three optimizer steps every rank happens to route tokens to every expert of every sparse layer
-(so the ranks agree on the module trace), and at the fourth step the ranks' experts differ. 0.19.8 (and the
-fork with per-fetch votes, 0.19.8+lockstep.14) hangs there: one rank waits in a parameter all-gather for an
-expert the other rank does not run.
+(so the ranks agree on the module trace), and at the fourth step the ranks' experts differ. Without
+the fetch schedule (and with per-fetch votes that only start once the trace breaks) the run hangs there: one
+rank waits in a parameter all-gather for an expert the other rank does not run.
 
 Oracles: every rank finishes within the deadline; the routing really was uniform, then different (checked on
 the plain-PyTorch reference); parameters identical across ranks and equal to the reference (a gradient missing

@@ -7,7 +7,7 @@ the first optimizer step (so they agree on the module trace there, and fetch by 
 different ones later. A rank skips a module the trace has (no images any more, an expert without tokens),
 runs one the trace lacks (the first batches had no images), runs modules in another order, uses a parameter
 of a module every rank runs on some ranks only (its gradient bucket is ready at a rank-dependent point), or
-an evaluation after uniform training routes tokens differently per rank. 0.19.8 and the fork up to patch 0013
+an evaluation after uniform training routes tokens differently per rank. Without the fetch schedule the ranks
 issue different all-gathers there: gloo aborts (size mismatch), NCCL hangs.
 
 Oracles: every rank finishes within the deadline; parameters identical across ranks and equal to a
@@ -266,8 +266,8 @@ class GatedModel(torch.nn.Module):
 class TestParameterUsedOnSomeRanksAfterUniformStep(DistributedTest):
     """Every rank uses the gates at step 0, only rank 0 later: the modules (and the trace) are the same on
     every rank, but the gates' gradients exist on rank 0 only, so with buckets of 100 elements a bucket is
-    ready mid-backward on rank 0 and only at the end on rank 1. (With this shape the series up to 0013 does
-    not hang either; 0.19.8 mismatches.)"""
+    ready mid-backward on rank 0 and only at the end on rank 1. (Per-fetch agreement without the schedule handles
+    this shape too; without either, gloo reports a size mismatch.)"""
     world_size = 2
     exec_timeout = 60
 

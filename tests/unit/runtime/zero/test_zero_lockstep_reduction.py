@@ -67,7 +67,7 @@ class TestShape7991(DistributedTest):
 
 @pytest.mark.parametrize("scenario", ["llava_4933", "uniform"])
 class TestIgnoreUnusedParametersFalse(DistributedTest):
-    """ignore_unused_parameters=False (with CPU offload, where 0.19.8 checks it) must stay an error when a
+    """ignore_unused_parameters=False (with CPU offload, where ZeRO-1/2 checks it) must stay an error when a
     parameter gets no gradient on some rank, raised by every rank at the same point; uniform usage trains."""
     world_size = 2
     exec_timeout = 45

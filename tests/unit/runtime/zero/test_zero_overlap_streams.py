@@ -9,7 +9,7 @@ reduce-and-partition stream) while backward goes on computing gradients on the c
 the timing, training must give the same parameters as with no overlap at all. Timing alone makes an
 ordering bug intermittent (a gradient freed by the host while the side stream still reads it is
 overwritten only when the allocator hands its memory out first), so these tests make the side stream
-slow on purpose: after every reduction it sleeps (``torch.cuda._sleep``) before it copies the result
+slow on purpose: after every reduction it sleeps (CUDA's ``_sleep`` kernel) before it copies the result
 into the partition. Memory read or freed without waiting for it, or without recording it on that
 stream, then holds the wrong data in every run.
 
@@ -93,12 +93,12 @@ def delay_side_stream(optimizer, cycles=SLEEP_CYCLES):
         def delayed_average_tensor(*args, **kwargs):
             out = average_tensor(*args, **kwargs)  # issues the reduction; copies to the partition follow
             with get_accelerator().stream(optimizer.reduction_stream):
-                torch.cuda._sleep(cycles)
+                torch.cuda._sleep(cycles)  #ignore-cuda
             return out
 
         def delayed_allreduce_bucket(*args, **kwargs):  # non-contiguous path, on the reduction stream
             out = allreduce_bucket(*args, **kwargs)
-            torch.cuda._sleep(cycles)
+            torch.cuda._sleep(cycles)  #ignore-cuda
             return out
 
         optimizer.average_tensor = delayed_average_tensor
@@ -107,7 +107,7 @@ def delay_side_stream(optimizer, cycles=SLEEP_CYCLES):
         partition_grads = optimizer.partition_grads
 
         def delayed_partition_grads(*args, **kwargs):
-            torch.cuda._sleep(cycles)
+            torch.cuda._sleep(cycles)  #ignore-cuda
             return partition_grads(*args, **kwargs)
 
         optimizer.partition_grads = delayed_partition_grads

@@ -5,7 +5,7 @@
 """The reduction plan is cut at initialization in reverse registration order. A model whose modules are
 registered in another order than backward reaches them (many Hugging Face models) would hold its early
 gradients in .grad until their bucket is next, and launch most buckets at the end of backward: no
-overlap, and more gradient memory than 0.19.8, which copies each gradient into the bucket on arrival.
+overlap, and more gradient memory than copying each gradient into the bucket on arrival.
 After the first reduction point the plan is rebuilt once from the order rank 0's gradients became ready
 (broadcast, the same plan everywhere), as DDP rebuilds its buckets.
 
