@@ -32,23 +32,55 @@ def test_signed_patch_sets_author_and_trailer():
     assert "Body line.\n\nSigned-off-by: Jane Doe <jane@example.org>\n\n---\n" in out
 
 
+AUTHOR = "Jane Doe <jane.doe@users.noreply.github.com>"
+
+
+def run_pr(*args):
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "fork.py"), "pr", *args],
+                          cwd=REPO,
+                          capture_output=True,
+                          text=True)
+
+
+def test_pr_refuses_without_a_real_author(tmp_path):
+    p = run_pr("--out", str(tmp_path))
+    assert p.returncode != 0 and "--author" in p.stderr
+    for placeholder in ("Jane Doe <jane@example.org>", "A <a@b.example>", "Me <me@localhost>", "no email"):
+        p = run_pr("--author", placeholder, "--out", str(tmp_path))
+        assert p.returncode == 1 and p.stderr.startswith("fork.py pr: "), p.stderr
+        assert "Traceback" not in p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_patch_subject_unfolds_a_wrapped_line():
+    patch = (
+        "From 0123 Mon Sep 17 00:00:00 2001\nFrom: Someone <a@b.c>\nSubject: [PATCH] ZeRO-3: a long subject that\n"
+        " git format-patch wrapped\n\nBody.\n---\n")
+    assert upstream_pr.patch_subject(patch) == "ZeRO-3: a long subject that git format-patch wrapped"
+
+
 def test_every_pr_applies_signed_and_clean(tmp_path):
     env = dict(os.environ)
-    p = subprocess.run([
-        sys.executable,
-        str(REPO / "scripts" / "fork.py"), "pr", "--author", "Jane Doe <jane@example.org>", "--out",
-        str(tmp_path / "pr")
-    ],
-                       cwd=REPO,
-                       env=env,
-                       capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        [sys.executable,
+         str(REPO / "scripts" / "fork.py"), "pr", "--author", AUTHOR, "--out",
+         str(tmp_path / "pr")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     folders = sorted((tmp_path / "pr").iterdir())
     assert len(folders) == len(upstream_pr.read_prs())
     for folder in folders:
         assert "problems: none" in (folder / "PROOF.md").read_text(), (folder / "PROOF.md").read_text()
         for patch in (folder / "patches").iterdir():
-            assert "Signed-off-by: Jane Doe <jane@example.org>" in patch.read_text()
+            assert f"Signed-off-by: {AUTHOR}" in patch.read_text()
+        tests_patch = sorted((folder / "patches").iterdir())[-1].read_text()
+        assert "Subject: [PATCH] tests: " in tests_patch, tests_patch[:400]
+        description = (folder / "DESCRIPTION.md").read_text()
+        assert "- - " not in description and ".patch`" not in description
+        assert "pre-commit" not in description  # says which checks ran, not that hooks did
+        assert "## Depends on" not in description or "- PR 0" in description
         for test in (folder / "tests").rglob("*.py"):
             assert "fork-only" not in test.read_text() and "lockstep fork" not in test.read_text()
