@@ -299,7 +299,7 @@ def main():
                 results.append(entry)
                 table = markdown(results, args, machine)  # after every case: a cut-short run keeps its results
                 (out_dir / "results.md").write_text(table)
-                (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+                (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     plotted = plot(results, out_dir / "step_time.png")
     print(table)
     wrong = [r for r in results if r["upstream"] is not None and "DIFFER" in numbers_verdict(r, args.world_size)]
