@@ -62,6 +62,10 @@ def read_prs():
             if missing:
                 raise fork.ForkError(f"prs.toml: {pr['name']} names patches not in the series: {missing}")
             pr[key] = [by_number[n] for n in pr[key]]
+    fixed = [issue for pr in prs for issue in pr["fixes"]]
+    twice = sorted({issue for issue in fixed if fixed.count(issue) > 1})
+    if twice:
+        raise fork.ForkError(f"prs.toml: {twice} in the `fixes` of more than one PR (the first merge would close it)")
     covered = sorted(n for pr in prs for n in pr["patches"])
     if covered != sorted(names):
         raise fork.ForkError(f"prs.toml must put every patch of the series in exactly one PR; got {covered}")
@@ -314,7 +318,8 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
     proof += [f"- problem: {p}" for p in problems] or ["- problems: none"]
     (folder / "PROOF.md").write_text("\n".join(proof) + "\n")
     description = [
-        f"# {pr['title']}", "", *(f"Fixes {link}" for link in pr["links"]), "", "## Problem and fix", "",
+        f"# {pr['title']}", "", *(f"Fixes {issue}" for issue in pr["fixes"]),
+        *([f"Related: {', '.join(pr['refs'])}"] if pr["refs"] else []), "", "## Problem and fix", "",
         pr["summary"].strip(), "", "## Patches", ""
     ]
     for n, subject, body in messages:

@@ -71,6 +71,10 @@ def test_every_pr_applies_signed_and_clean(tmp_path):
         text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     folders = sorted((tmp_path / "pr").iterdir())
+    fixes = [
+        line for f in folders for line in (f / "DESCRIPTION.md").read_text().splitlines() if line.startswith("Fixes")
+    ]
+    assert len(fixes) == len(set(fixes)), fixes  # an issue is closed by one PR, not by whichever merges first
     assert len(folders) == len(upstream_pr.read_prs())
     for folder in folders:
         assert "problems: none" in (folder / "PROOF.md").read_text(), (folder / "PROOF.md").read_text()
