@@ -21,7 +21,7 @@ from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, agree_on_every_rank, assert_lockstep, batch, device,
                                                   full_params, make_engine, make_model, reference_training,
                                                   train_reference, zero_config)
-from unit.runtime.zero.test_zero3_conditional_fetch import _experts_used, _moe_batch, _moe_model, _optimizer
+from unit.runtime.zero.moe_scenarios import check_evaluation, moe_batch, moe_model, moe_optimizer
 
 FETCHED = dict(stage3_param_persistence_threshold=0)  # every parameter is partitioned and fetched
 STEPS = 3
@@ -38,9 +38,9 @@ class TestEvaluateMoEOnEveryRank(DistributedTest):
     def test_lockstep(self, evaluate_at):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         config = zero_config(3, **FETCHED)
-        model = _moe_model()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
-        eval_batches = [_moe_batch(rank, 100 + i) for i in range(EVAL_BATCHES)]
+        model = moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
+        eval_batches = [moe_batch(rank, 100 + i) for i in range(EVAL_BATCHES)]
         losses = None
         for step in range(STEPS):
             if step == evaluate_at:
@@ -48,24 +48,18 @@ class TestEvaluateMoEOnEveryRank(DistributedTest):
                 with torch.no_grad():
                     losses = [engine(x.to(device())).item() for x in eval_batches]
                 engine.train()
-            engine.backward(engine(_moe_batch(rank, step).to(device())))
+            engine.backward(engine(moe_batch(rank, step).to(device())))
             engine.step()
         mine = full_params(engine.module, 3)
 
-        ref_model = _moe_model()
-        loss_of = lambda r, s, m: ref_model(_moe_batch(r, s))
-        reference_training(ref_model, _optimizer(ref_model), world_size, evaluate_at, 1, loss_of)
-        with torch.no_grad():
-            expected = [ref_model(x).item() for x in eval_batches]
-        routed = [_experts_used(ref_model, _moe_batch(r, 100)) for r in range(world_size)]
-        agree_on_every_rank(routed[0] != routed[1],
-                            "the evaluation batches should route tokens to different experts per rank")
-        agree_on_every_rank(torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6),
-                            f"rank {rank}: evaluation losses {losses}, plain PyTorch {expected}")
+        ref_model = moe_model()
+        loss_of = lambda r, s, m: ref_model(moe_batch(r, s))
+        reference_training(ref_model, moe_optimizer(ref_model), world_size, evaluate_at, 1, loss_of)
+        check_evaluation(losses, ref_model, eval_batches, world_size, rank)
 
-        ref_model = _moe_model()
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
-                                 lambda r, s, m: ref_model(_moe_batch(r, s)))
+        ref_model = moe_model()
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, STEPS, 1,
+                                 lambda r, s, m: ref_model(moe_batch(r, s)))
         assert_lockstep(mine, ref, config, STEPS)
 
 

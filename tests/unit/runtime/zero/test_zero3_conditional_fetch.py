@@ -11,16 +11,15 @@ parameters are identical across ranks and equal a plain-PyTorch reference (a gra
 counts as zero), and the parameters stay partitioned at rest."""
 
 import pytest
-import torch
 
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, Scenario, assert_lockstep, check_lockstep,
-                                                  device, full_params, reference_training, train_deepspeed,
-                                                  train_reference, zero_config)
+from unit.runtime.zero.lockstep_scenarios import (Scenario, assert_lockstep, check_lockstep, device, full_params,
+                                                  reference_training, train_deepspeed, train_reference, zero_config)
+from unit.runtime.zero.moe_scenarios import SwitchMoE, experts_used, moe_batch, moe_model, moe_optimizer
 
 FETCHED = dict(stage3_param_persistence_threshold=0)  # every parameter is partitioned and fetched
 
@@ -70,71 +69,6 @@ class TestLateDivergenceAlwaysAgreed(DistributedTest):
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), steps=3), config, steps=3)
 
 
-class SwitchMoE(torch.nn.Module):
-    """A switch-style MoE block: experts in a ModuleList, each run only on the tokens routed to it (top-1 of
-    a learned router), so an expert with no tokens on a rank does not run there."""
-
-    def __init__(self, hidden, experts):
-        super().__init__()
-        self.router = torch.nn.Linear(hidden, experts)
-        self.experts = torch.nn.ModuleList(self._expert(hidden) for _ in range(experts))
-
-    @staticmethod
-    def _expert(hidden):
-        return torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.Tanh(),
-                                   torch.nn.Linear(2 * hidden, hidden))
-
-    def forward(self, h):
-        gate = torch.softmax(self.router(h), dim=-1)
-        weight, choice = gate.max(dim=-1)
-        out = torch.zeros_like(h)
-        for i, expert in enumerate(self.experts):
-            routed = choice == i
-            if routed.any():
-                out[routed] = weight[routed, None] * expert(h[routed])
-        return h + out
-
-
-class TinyMoEModel(torch.nn.Module):
-
-    def __init__(self, hidden=8, experts=4, layers=2):
-        super().__init__()
-        self.embed = torch.nn.Linear(hidden, hidden)
-        self.blocks = torch.nn.ModuleList(SwitchMoE(hidden, experts) for _ in range(layers))
-        self.head = torch.nn.Linear(hidden, 1)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h).pow(2).mean()
-
-
-def _moe_batch(rank, step, tokens=3, hidden=8):
-    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
-    return torch.randn(tokens, hidden, generator=g)
-
-
-def _moe_model():
-    torch.manual_seed(SEED)
-    return TinyMoEModel()
-
-
-def _optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
-
-
-def _experts_used(model, x):
-    """Which experts of each block get tokens for batch ``x`` (plain PyTorch, full parameters)."""
-    used = []
-    with torch.no_grad():
-        h = model.embed(x)
-        for block in model.blocks:
-            used.append(set(block.router(h).argmax(dim=-1).tolist()))
-            h = block(h)
-    return used
-
-
 @pytest.mark.parametrize("config", ["default", "bucket100", "leaf"])
 class TestPerExpertMoE(DistributedTest):
     """Natural routing: which experts run on each rank changes with its tokens and with training. "leaf":
@@ -147,24 +81,24 @@ class TestPerExpertMoE(DistributedTest):
         leaf = config == "leaf"
         config = _config(**CONFIGS["default" if leaf else config])
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        model = _moe_model()
+        model = moe_model()
         if leaf:
             deepspeed.utils.set_z3_leaf_modules(model, [SwitchMoE])
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
         for step in range(self.steps):
-            engine.backward(engine(_moe_batch(rank, step).to(device())))
+            engine.backward(engine(moe_batch(rank, step).to(device())))
             engine.step()
             # partitioned at rest: no expert parameter is held whole between steps
             assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
         mine = full_params(engine.module, 3)
 
-        ref_model = _moe_model()
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, self.steps, 1,
-                                 lambda r, s, m: ref_model(_moe_batch(r, s)))
+        ref_model = moe_model()
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, self.steps, 1,
+                                 lambda r, s, m: ref_model(moe_batch(r, s)))
         # the routing really differs across ranks (else this test would not test anything)
-        check_model = _moe_model()
+        check_model = moe_model()
         differs = any(
-            _experts_used(check_model, _moe_batch(0, s)) != _experts_used(check_model, _moe_batch(1, s))
+            experts_used(check_model, moe_batch(0, s)) != experts_used(check_model, moe_batch(1, s))
             for s in range(self.steps))
         assert differs, "the test data should route tokens to different experts on different ranks"
         assert_lockstep(mine, ref, config, self.steps)

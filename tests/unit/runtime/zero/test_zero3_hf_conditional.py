@@ -19,8 +19,9 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (LR, SEED, WEIGHT_DECAY, assert_lockstep, device, full_params,
-                                                  reference_training, zero_config)
+from unit.runtime.zero.lockstep_scenarios import (LR, SEED, assert_lockstep, device, full_params, reference_training,
+                                                  zero_config)
+from unit.runtime.zero.moe_scenarios import moe_optimizer, tiny_switch
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,23 +65,7 @@ def _llava_batch(rank, step):
 
 
 def _switch():
-    config = transformers.SwitchTransformersConfig(vocab_size=VOCAB,
-                                                   d_model=16,
-                                                   d_kv=8,
-                                                   d_ff=32,
-                                                   num_layers=2,
-                                                   num_decoder_layers=2,
-                                                   num_heads=2,
-                                                   num_experts=4,
-                                                   expert_capacity=64,
-                                                   num_sparse_encoder_layers=1,
-                                                   num_sparse_decoder_layers=1,
-                                                   dropout_rate=0.0,
-                                                   router_jitter_noise=0.0,
-                                                   decoder_start_token_id=0,
-                                                   pad_token_id=0,
-                                                   eos_token_id=1)
-    return transformers.SwitchTransformersForConditionalGeneration(config)
+    return tiny_switch(VOCAB, layers=2, sparse_layers=1)
 
 
 def _seq2seq_batch(rank, step):
@@ -116,10 +101,6 @@ def _model(name):
     return MODELS[name][0]()
 
 
-def _optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
-
-
 def _loss(model, batch, on=None):
     batch = {k: v.to(on) if on is not None else v for k, v in batch.items()}
     return model(**batch).loss
@@ -139,7 +120,7 @@ class TestHFConditionalModules(DistributedTest):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         batch_of = MODELS[name][1]
         model = _model(name)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
         for step in range(self.steps):
             engine.backward(_loss(engine, batch_of(rank, step), on=device()))
             engine.step()
@@ -152,7 +133,7 @@ class TestHFConditionalModules(DistributedTest):
         mine = full_params(engine.module, stage)
 
         ref_model = _model(name)
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, self.steps, 1,
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, self.steps, 1,
                                  lambda r, s, m: _loss(ref_model, batch_of(r, s)))
         ref_model.eval()
         with torch.no_grad():

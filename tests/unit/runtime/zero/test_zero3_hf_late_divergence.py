@@ -21,8 +21,9 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from unit.common import DistributedTest
-from unit.runtime.zero.lockstep_scenarios import (LR, WEIGHT_DECAY, agree_on_every_rank, assert_lockstep, device,
-                                                  full_params, reference_training, zero_config)
+from unit.runtime.zero.lockstep_scenarios import (agree_on_every_rank, assert_lockstep, device, full_params,
+                                                  reference_training, zero_config)
+from unit.runtime.zero.moe_scenarios import moe_optimizer, tiny_switch
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,33 +35,13 @@ UNIFORM_STEPS = 3
 
 def _switch():
     torch.manual_seed(SEED)
-    config = transformers.SwitchTransformersConfig(vocab_size=VOCAB,
-                                                   d_model=16,
-                                                   d_kv=8,
-                                                   d_ff=32,
-                                                   num_layers=4,
-                                                   num_decoder_layers=4,
-                                                   num_heads=2,
-                                                   num_experts=4,
-                                                   expert_capacity=64,
-                                                   num_sparse_encoder_layers=2,
-                                                   num_sparse_decoder_layers=2,
-                                                   dropout_rate=0.0,
-                                                   router_jitter_noise=0.0,
-                                                   decoder_start_token_id=0,
-                                                   pad_token_id=0,
-                                                   eos_token_id=1)
-    return transformers.SwitchTransformersForConditionalGeneration(config)
+    return tiny_switch(VOCAB, layers=4, sparse_layers=2)
 
 
 def _batch(rank, step):
     g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
     return dict(input_ids=torch.randint(2, VOCAB, (2, 16), generator=g),
                 labels=torch.randint(2, VOCAB, (2, 16), generator=g))
-
-
-def _optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY)
 
 
 def _experts(model):
@@ -81,7 +62,7 @@ class TestSwitchExpertsDifferAfterUniformSteps(DistributedTest):
                              stage3_param_persistence_threshold=100,
                              stage3_prefetch_bucket_size=prefetch)
         model = _switch()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
         for step in range(STEPS):
             batch = {k: v.to(device()) for k, v in _batch(rank, step).items()}
             engine.backward(engine(**batch).loss)
@@ -101,7 +82,7 @@ class TestSwitchExpertsDifferAfterUniformSteps(DistributedTest):
             routed[(r, s)] = frozenset(used)
             return loss
 
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1, loss_of)
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, STEPS, 1, loss_of)
         every = frozenset(name for name, _ in _experts(ref_model))
         agree_on_every_rank(
             all(routed[(r, s)] == every for r in range(world_size) for s in range(UNIFORM_STEPS))

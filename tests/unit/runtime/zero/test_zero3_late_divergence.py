@@ -28,7 +28,7 @@ from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SEED, Scenario, agree_on_every_rank, assert_lockstep, batch, device,
                                                   full_params, make_engine, make_model, make_optimizer,
                                                   reference_training, train_deepspeed, train_reference, zero_config)
-from unit.runtime.zero.test_zero3_conditional_fetch import _experts_used, _moe_batch, _moe_model, _optimizer
+from unit.runtime.zero.moe_scenarios import check_evaluation, experts_used, moe_batch, moe_model, moe_optimizer
 
 STEPS = 4
 
@@ -131,22 +131,22 @@ class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
 
     def test_lockstep(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        data = lambda r, s: _moe_batch(0 if s == 0 else r, s)
+        data = lambda r, s: moe_batch(0 if s == 0 else r, s)
         config = _config(**SHORT_PREFETCH)
-        model = _moe_model()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        model = moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
         for step in range(STEPS):
             engine.backward(engine(data(rank, step).to(device())))
             engine.step()
             assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
         mine = full_params(engine.module, 3)
 
-        ref_model = _moe_model()
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
+        ref_model = moe_model()
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, STEPS, 1,
                                  lambda r, s, m: ref_model(data(r, s)))
-        check = _moe_model()
+        check = moe_model()
         agree_on_every_rank(
-            any(_experts_used(check, data(0, s)) != _experts_used(check, data(1, s)) for s in range(1, STEPS)),
+            any(experts_used(check, data(0, s)) != experts_used(check, data(1, s)) for s in range(1, STEPS)),
             "after step 0 the batches should route tokens to different experts on different ranks")
         assert_lockstep(mine, ref, config, STEPS)
 
@@ -161,10 +161,10 @@ class TestEvaluateAfterUniformTraining(DistributedTest):
     def test_lockstep(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         config = _config(**SHORT_PREFETCH)
-        model = _moe_model()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
-        train_batch = lambda r, s: _moe_batch(0, s)  # the same on every rank
-        eval_batches = [_moe_batch(rank, 100 + i) for i in range(2)]
+        model = moe_model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
+        train_batch = lambda r, s: moe_batch(0, s)  # the same on every rank
+        eval_batches = [moe_batch(rank, 100 + i) for i in range(2)]
         for step in range(STEPS):
             if step == 2:
                 engine.eval()
@@ -175,19 +175,13 @@ class TestEvaluateAfterUniformTraining(DistributedTest):
             engine.step()
         mine = full_params(engine.module, 3)
 
-        ref_model = _moe_model()
+        ref_model = moe_model()
         loss_of = lambda r, s, m: ref_model(train_batch(r, s))
-        reference_training(ref_model, _optimizer(ref_model), world_size, 2, 1, loss_of)
-        with torch.no_grad():
-            expected = [ref_model(x).item() for x in eval_batches]
-        routed = [_experts_used(ref_model, _moe_batch(r, 100)) for r in range(world_size)]
-        agree_on_every_rank(routed[0] != routed[1],
-                            "the evaluation batches should route tokens to different experts per rank")
-        agree_on_every_rank(torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6),
-                            f"rank {rank}: evaluation losses {losses}, plain PyTorch {expected}")
+        reference_training(ref_model, moe_optimizer(ref_model), world_size, 2, 1, loss_of)
+        check_evaluation(losses, ref_model, eval_batches, world_size, rank)
 
-        ref_model = _moe_model()
-        ref = reference_training(ref_model, _optimizer(ref_model), world_size, STEPS, 1,
+        ref_model = moe_model()
+        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, STEPS, 1,
                                  lambda r, s, m: ref_model(train_batch(r, s)))
         assert_lockstep(mine, ref, config, STEPS)
 
@@ -274,13 +268,13 @@ class TestParameterUsedOnSomeRanksAfterUniformStep(DistributedTest):
     def test_lockstep(self):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         gated = lambda r, s: r == 0 or s == 0
-        data = lambda r, s: _moe_batch(r, s)
+        data = lambda r, s: moe_batch(r, s)
         config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
 
         def model_and_optimizer():
             torch.manual_seed(SEED)
             model = GatedModel()
-            return model, _optimizer(model)
+            return model, moe_optimizer(model)
 
         model, optimizer = model_and_optimizer()
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -325,13 +319,13 @@ class TestGradientArrivesLaterThanAgreed(DistributedTest):
     def test_lockstep(self, prefetch):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         early = lambda r, s: r == 1 and s > 0
-        data = lambda r, s: _moe_batch(r, s)
+        data = lambda r, s: moe_batch(r, s)
         config = _config(reduce_bucket_size=100, stage3_prefetch_bucket_size=prefetch)
 
         def model_and_optimizer():
             torch.manual_seed(SEED)
             model = SharedWeightModel()
-            return model, _optimizer(model)
+            return model, moe_optimizer(model)
 
         model, optimizer = model_and_optimizer()
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -385,7 +379,7 @@ class TestImagesAlternateAcrossRanks(DistributedTest):
         def model_and_optimizer():
             torch.manual_seed(SEED)
             model = ProjectedInput()
-            return model, _optimizer(model)
+            return model, moe_optimizer(model)
 
         config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
         model, optimizer = model_and_optimizer()

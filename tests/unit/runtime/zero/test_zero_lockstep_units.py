@@ -1,0 +1,224 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Single-process tests of the mechanisms that keep ranks in lockstep, through their own protocols and
+without a process group: the reduction plan (which bucket a gradient goes in, when a bucket may launch)
+and the ZeRO-3 fetch schedule (what a rank that skips, adds or reorders modules issues).
+
+The fetch schedule drives two participants (``ScheduleParticipant``): the parameter coordinator, whose
+replayed and followed hooks gather parameters, and the optimizer, which launches gradient buckets. A fake
+rank here logs the collectives those calls stand for; the invariant under test is that a rank that skips
+modules logs the same collectives as a rank that runs them all, and that a rank that runs a module the
+schedule lacks still logs them up to the end of backward, where its flag makes every rank switch."""
+
+import random
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.fetch_schedule import (BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, FetchSchedule,
+                                                   ScheduleParticipant, _merge)
+from deepspeed.runtime.zero.reduction_plan import ReductionPlan
+
+
+class Module:
+    """What the schedule needs of a ZeRO-3 module: its ``ds_id``; one parameter with its own ``ds_id``."""
+
+    def __init__(self, ds_id):
+        self.ds_id = ds_id
+        self.param = torch.nn.Parameter(torch.zeros(1))
+        self.param.ds_id = 100 + ds_id
+
+
+class Rank(ScheduleParticipant):
+    """One rank's coordinator and optimizer: logs the collectives the schedule makes it issue. Buckets are
+    lists of parameter ``ds_id``s in launch order; ``others_flag`` is what the other ranks' flags add to this
+    rank's in the last bucket's reduction."""
+
+    def __init__(self, buckets, others_flag=False):
+        self.buckets, self.others_flag = buckets, others_flag
+        self.log, self.arrived, self.next = [], set(), 0
+        self.flag_sent, self.switched, self.reduced_again = None, 0, []
+
+    def gather(self, kind, module):
+        self.log.append(("all_gather", "forward" if kind == FWD_PRE else "backward", module.ds_id))
+
+    def replay_hook(self, kind, module):
+        if kind in (FWD_PRE, BWD_PRE):
+            self.gather(kind, module)
+
+    def switch_to_votes(self):
+        self.switched += 1
+
+    def refetch(self, kind, module):
+        self.log.append(("refetch", module.ds_id))
+
+    def any_rank(self, flag):
+        return flag or self.others_flag
+
+    def from_every_rank(self, obj):
+        return [obj]
+
+    def planned_buckets(self):
+        return self.buckets
+
+    def can_carry_flags(self):
+        return True
+
+    def buckets_ready(self):
+        count = 0
+        while self.next + count < len(self.buckets) and set(self.buckets[self.next + count]) <= self.arrived:
+            count += 1
+        return count
+
+    def launch_buckets(self, count):
+        for _ in range(count):
+            self.log.append(("reduce_scatter", self.next))
+            self.next += 1
+
+    def launch_last_bucket(self, flag):
+        self.launch_buckets(len(self.buckets) - self.next)
+        self.flag_sent = flag
+
+    def flags_raised(self):
+        return self.flag_sent or self.others_flag
+
+    def reduce_again(self, backward_finished):
+        self.reduced_again.append(backward_finished)
+
+
+MODULES = [Module(i) for i in range(4)]
+BUCKETS = [[103, 102], [101, 100]]  # backward reaches the last module first
+
+
+def micro_step(schedule, rank, order):
+    """One forward and backward of ``order`` (module indices) as the ZeRO-3 coordinator and optimizer drive
+    the schedule: a hook the schedule lets run as without one gathers (a pre hook); each module's gradient
+    becomes final after its backward; the epilogue ends the backward and settles the flags."""
+    schedule.begin_forward(checked_at_end=False)
+    for i in order:
+        if schedule.hook(FWD_PRE, MODULES[i]) or not schedule.replaying:
+            rank.gather(FWD_PRE, MODULES[i])
+        schedule.hook(FWD_POST, MODULES[i])
+    schedule.end_forward()
+    rank.next, rank.arrived = 0, set()
+    for i in reversed(order):
+        if schedule.hook(BWD_PRE, MODULES[i]) or not schedule.replaying:
+            rank.gather(BWD_PRE, MODULES[i])
+        rank.arrived.add(MODULES[i].param.ds_id)
+        schedule.record_gradient(MODULES[i].param)
+        schedule.bucket_ready()
+        schedule.hook(BWD_POST, MODULES[i])
+    schedule.end_backward()
+    return schedule.settle_backward()
+
+
+def agreed(others_flag=False):
+    """A rank whose first step ran every module (as every rank's did): the schedule adopted at the step."""
+    rank = Rank(BUCKETS, others_flag)
+    schedule = FetchSchedule(rank, rank, MODULES)
+    micro_step(schedule, rank, [0, 1, 2, 3])
+    schedule.adopt(ranks_differ=False)
+    rank.log = []
+    return schedule, rank
+
+
+def uniform_log():
+    schedule, rank = agreed()
+    micro_step(schedule, rank, [0, 1, 2, 3])
+    return rank.log
+
+
+def test_replay_of_the_agreed_step_issues_its_collectives():
+    schedule, rank = agreed()
+    assert not micro_step(schedule, rank, [0, 1, 2, 3])
+    forward = [("all_gather", "forward", i) for i in range(4)]
+    backward = [("all_gather", "backward", 3), ("all_gather", "backward", 2), ("reduce_scatter", 0),
+                ("all_gather", "backward", 1), ("all_gather", "backward", 0), ("reduce_scatter", 1)]
+    assert rank.log == forward + backward
+    assert schedule.replayed == 0 and schedule.switches == 0 and rank.flag_sent is False
+
+
+@pytest.mark.parametrize("order", [[0, 1, 3], [0, 3], [1, 2, 3], [0, 1, 2], []])
+def test_a_rank_that_skips_modules_issues_the_same_collectives(order):
+    schedule, rank = agreed()
+    assert not micro_step(schedule, rank, order)
+    assert rank.log == uniform_log()
+    assert schedule.replaying and schedule.switches == 0 and schedule.replayed > 0
+    assert rank.flag_sent is False and rank.reduced_again == []
+
+
+@pytest.mark.parametrize("order", [[0, 2, 1, 3], [3, 2, 1, 0], [0, 1, 1, 2, 3]])
+def test_a_rank_off_the_schedule_flags_it_at_the_end_of_backward(order):
+    schedule, rank = agreed()
+    micro_step(schedule, rank, order)
+    # until the switch it replayed the schedule: the collectives every rank issues
+    assert [e for e in rank.log if e[0] != "refetch"][:len(uniform_log())] == uniform_log()
+    assert rank.flag_sent is True and rank.switched == 1 and schedule.switches == 1
+    # it left in the forward and replayed the schedule to its end: every bucket went with zeros for its
+    # gradients, which its own backward produces after the switch and reduces again
+    assert rank.reduced_again == [False]
+    assert not schedule.replaying
+
+
+def test_a_rank_on_the_schedule_switches_with_the_rank_that_left():
+    schedule, rank = agreed(others_flag=True)  # another rank raised its flag in the last bucket
+    assert micro_step(schedule, rank, [0, 1, 2, 3])
+    assert rank.log == uniform_log() and rank.flag_sent is False
+    assert rank.switched == 1 and rank.reduced_again == [True] and not schedule.replaying
+
+
+def test_merge_keeps_every_sequence_as_a_subsequence():
+
+    def is_subsequence(small, big):
+        it = iter(big)
+        return all(any(x == y for y in it) for x in small)
+
+    rng = random.Random(1)
+    for _ in range(200):
+        sequences = [[(rng.randrange(3), rng.randrange(6)) for _ in range(rng.randrange(8))] for _ in range(3)]
+        merged = _merge(sequences)
+        assert all(is_subsequence(s, merged) for s in sequences)
+        assert merged == _merge([list(s) for s in sequences])  # the same wherever it is computed
+
+
+def plan(sizes, bucket_size, dtypes=None):
+    params = [
+        torch.nn.Parameter(torch.zeros(n, dtype=(dtypes or {}).get(i, torch.float32))) for i, n in enumerate(sizes)
+    ]
+    return params, ReductionPlan([(0, p) for p in params], bucket_size, comm_dtype_of=lambda p: p.dtype)
+
+
+def test_plan_cuts_buckets_in_reverse_registration_order():
+    params, p = plan([4, 4, 4, 20, 4], bucket_size=8)
+    index = {id(q): i for i, q in enumerate(params)}
+    ids = [[index[id(q)] for _, q in b.entries] for b in p.buckets]
+    assert ids == [[4], [3], [2, 1], [0]]  # an oversized parameter is a bucket of its own
+    assert all(b.numel <= 8 or len(b.entries) == 1 for b in p.buckets)
+    assert p.buckets[2].offsets == {id(params[2]): 0, id(params[1]): 4}
+
+
+def test_plan_separates_communication_dtypes():
+    params, p = plan([2, 2, 2, 2], bucket_size=100, dtypes={1: torch.bfloat16, 3: torch.bfloat16})
+    assert [{q.dtype for _, q in b.entries} for b in p.buckets] == [{torch.bfloat16}, {torch.float32}]
+
+
+def test_plan_launches_in_index_order_whatever_the_arrival_order():
+    params, p = plan([4, 4, 4, 4], bucket_size=8)  # buckets: [3, 2], [1, 0]
+    p.open()
+    assert p.mark_ready(params[0]) == [] and p.mark_ready(params[1]) == []  # bucket 1 full, bucket 0 not
+    assert p.ready_count() == 0 and not p.is_launched(params[0])
+    assert p.mark_ready(params[2]) == []
+    launched = p.mark_ready(params[3])
+    assert [b.index for b in launched] == [0, 1] and p.is_launched(params[0])
+    assert p.remaining() == []
+
+
+def test_plan_launches_what_never_arrived_at_the_end():
+    params, p = plan([4, 4, 4, 4], bucket_size=8)
+    p.open()
+    assert p.mark_ready(params[3]) == []  # params[2] never gets a gradient on this rank
+    assert [b.index for b in p.remaining()] == [0, 1]  # zeros for what is missing, every bucket once
+    p.reset()
+    assert p.remaining() == []  # no backward opened this reduction point: nothing to reduce
