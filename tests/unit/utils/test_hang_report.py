@@ -1,0 +1,169 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The hang report on real hangs: four CPU ranks (gloo) train a tiny ZeRO-2 model with
+``DS_HANG_REPORT_DIR`` set, and at the third step the ranks stop agreeing. Every rank that waits writes its
+report within the timeout, one that dies of an exception says so, and ``merge`` names on one screen which
+ranks wait where (and in which DeepSpeed collective), and which ranks wrote nothing.
+
+- user collective: ranks 0 and 1 all-reduce on a group of their own (a model collective DeepSpeed does not
+  issue), ranks 2 and 3 go on into ZeRO's gradient reduction: both pairs wait forever;
+- loader exception: rank 3's data loader raises, the others wait in the gradient reduction;
+- killed: rank 3 ends without a word (``os._exit``), the others wait.
+
+The ranks are plain processes (not the harness's ``DistributedTest``: the hang is the point), killed with
+their process group when the reports are in, or at the deadline."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from deepspeed.utils import hang_report
+
+WORLD_SIZE = 4
+TIMEOUT = 3  # seconds without progress before a rank reports
+DEADLINE = 120  # for every rank's report to appear
+
+WORKER = textwrap.dedent('''
+    import os, sys
+    import torch
+    from torch import distributed as torch_dist  # the model's own collectives bypass deepspeed.comm on purpose
+    import deepspeed
+    import deepspeed.comm as dist
+
+    scenario = sys.argv[1]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    own_group = torch_dist.new_group(list(range(dist.get_world_size())))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                           config=config)
+
+
+    def load(step):
+        if scenario == "loader" and step == 2 and rank == 3:
+            raise RuntimeError("the data loader failed on this rank")
+        if scenario == "killed" and step == 2 and rank == 3:
+            os._exit(3)
+        return torch.randn(2, 8)
+
+
+    for step in range(4):
+        x = load(step)
+        if scenario == "user_collective" and step == 2 and rank in (0, 1):
+            torch_dist.all_reduce(torch.ones(4), group=own_group)  # USER COLLECTIVE
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+''')
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reports_of_the_hang(reports):
+    found = []
+    for path in reports.glob("rank-*.json") if reports.is_dir() else []:
+        try:
+            report = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if report["step"] == 2 or report["exited"]:
+            found.append(report["rank"])
+    return found
+
+
+def _run_until_reported(tmp_path, scenario, expected_reports, world_size=WORLD_SIZE):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    reports = tmp_path / "reports"
+    port = str(_free_port())
+    procs = []
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ,
+                       MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port,
+                       RANK=str(rank),
+                       LOCAL_RANK=str(rank),
+                       WORLD_SIZE=str(world_size),
+                       LOCAL_SIZE=str(world_size),
+                       OMP_NUM_THREADS="1",
+                       DS_ACCELERATOR="cpu",
+                       TORCH_EXTENSIONS_DIR=str(tmp_path / "torch-extensions"),
+                       DS_HANG_REPORT_DIR=str(reports),
+                       DS_HANG_REPORT_TIMEOUT=str(TIMEOUT))
+            procs.append(
+                subprocess.Popen([sys.executable, str(script), scenario],
+                                 env=env,
+                                 cwd=tmp_path,
+                                 stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp_path / f"rank{rank}.log", "w"),
+                                 start_new_session=True))
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            # a rank may report earlier stalls too (a slow start: building DeepSpeed's CPU comm op); a later
+            # report replaces its file, so wait for the reports of the hang at the third step
+            if len(_reports_of_the_hang(reports)) == expected_reports:
+                break
+            time.sleep(0.5)
+        else:
+            logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-1500:] for r in range(world_size))
+            pytest.fail(f"not every rank reported within {DEADLINE} s:\n{logs}")
+        # what a user reads while the job hangs (killing the ranks below makes the survivors' gloo calls fail)
+        shutil.copytree(reports, tmp_path / "verdict")
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    return tmp_path / "verdict", WORKER.splitlines().index(
+        next(line for line in WORKER.splitlines() if "USER COLLECTIVE" in line))
+
+
+@pytest.mark.parametrize("world_size", [WORLD_SIZE, pytest.param(16, marks=pytest.mark.nightly)])
+def test_user_collective_on_two_ranks(tmp_path, world_size):
+    """Two ranks wait in a collective of the model, the others in ZeRO's (at 16 ranks, #7991's shape)."""
+    reports, line = _run_until_reported(tmp_path, "user_collective", world_size, world_size)
+    verdict = hang_report.merge(reports)
+    assert len(verdict) == 2, verdict
+    assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce called in the model at worker.py:"
+                                 ) and f"worker.py:{line + 1}" in verdict[0]
+    assert "step 2" in verdict[0] and "not in DeepSpeed" in verdict[0], verdict
+    others = ", ".join(map(str, range(2, world_size)))
+    assert verdict[1].startswith(f"ranks {others}: all_reduce ")
+    assert f"on ranks {list(range(world_size))} issued at stage_1_and_2.py" in verdict[1], verdict
+    assert "(backward)" in verdict[1] and "step 2" in verdict[1], verdict
+
+
+@pytest.mark.parametrize("scenario", ["loader", "killed"])
+def test_a_rank_that_dies(tmp_path, scenario):
+    """Over gloo the survivors' collectives fail once a peer is gone (over NCCL they would wait): either way
+    the verdict names the rank that went first, and how."""
+    reports, _ = _run_until_reported(tmp_path, scenario, WORLD_SIZE if scenario == "loader" else WORLD_SIZE - 1)
+    verdict = hang_report.merge(reports)
+    rank3 = [line for line in verdict if line.startswith("rank 3: ")]
+    assert len(rank3) == 1, verdict
+    if scenario == "loader":
+        assert rank3[0].startswith("rank 3: exited: RuntimeError: the data loader failed on this rank (at worker.py:")
+        assert "step 2" in rank3[0] and "the first rank to exit" in rank3[0], verdict
+    else:  # no word from rank 3 since its start
+        assert "no report" in rank3[0] or "may have died since" in rank3[0], verdict
+    others = [line for line in verdict if not line.startswith("rank 3: ")]
+    assert all("step 2" in line and "the first rank to exit" not in line for line in others), verdict
