@@ -3,8 +3,10 @@
 
 # DeepSpeed Team
 """Single-process tests of the mechanisms that keep ranks in lockstep, through their own protocols and
-without a process group: the reduction plan (which bucket a gradient goes in, when a bucket may launch)
-and the ZeRO-3 fetch schedule (what a rank that skips, adds or reorders modules issues).
+without a process group: the reduction plan (which bucket a gradient goes in, when a bucket may launch),
+the ZeRO-3 fetch schedule (what a rank that skips, adds or reorders modules issues) and the step agreement
+(its participants' fields carried on the norm's all-reduce, decided the same on every rank; ranks are
+threads here).
 
 The fetch schedule drives two participants (``ScheduleParticipant``): the parameter coordinator, whose
 replayed and followed hooks gather parameters, and the optimizer, which launches gradient buckets. A fake
@@ -13,10 +15,14 @@ modules logs the same collectives as a rank that runs them all, and that a rank 
 schedule lacks still logs them up to the end of backward, where its flag makes every rank switch."""
 
 import random
+import threading
+import types
 
 import pytest
 import torch
 
+from deepspeed.runtime.zero import agreement
+from deepspeed.runtime.zero.agreement import DeferredErrors, LateParameters, ModuleTrace, StepAgreement
 from deepspeed.runtime.zero.fetch_schedule import (BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, FetchSchedule,
                                                    ScheduleParticipant, _merge)
 from deepspeed.runtime.zero.reduction_plan import ReductionPlan
@@ -222,3 +228,139 @@ def test_plan_launches_what_never_arrived_at_the_end():
     assert [b.index for b in p.remaining()] == [0, 1]  # zeros for what is missing, every bucket once
     p.reset()
     assert p.remaining() == []  # no backward opened this reduction point: nothing to reduce
+
+
+class ThreadRanks:
+    """``deepspeed.comm`` for ranks that are threads of this process: a collective waits for every rank,
+    then each gets the result (enough for the step agreement's all-reduce and all-gather)."""
+
+    ReduceOp = types.SimpleNamespace(SUM="sum")
+
+    def __init__(self, n):
+        self.n, self.calls = n, []
+        self._barrier, self._slots, self._local = threading.Barrier(n, timeout=30), [None] * n, threading.local()
+
+    def get_world_size(self, group=None):
+        return self.n
+
+    def get_rank(self, group=None):
+        return self._local.rank
+
+    def _exchange(self, tensor):
+        self._slots[self._local.rank] = tensor.clone()
+        self._barrier.wait()
+        slots = list(self._slots)
+        self._barrier.wait()
+        return slots
+
+    def all_reduce(self, tensor, op=None, group=None):
+        self.calls.append(("all_reduce", self._local.rank, tensor.numel()))
+        tensor.copy_(sum(self._exchange(tensor)))
+
+    def all_gather(self, out, tensor, group=None):
+        for target, slot in zip(out, self._exchange(tensor)):
+            target.copy_(slot)
+
+    def run(self, fn):
+        """``fn(rank)`` on every rank at once; each rank's result or exception, in rank order."""
+        results = [None] * self.n
+
+        def body(rank):
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except Exception as error:  # compared across ranks by the test
+                results[rank] = error
+
+        threads = [threading.Thread(target=body, args=(rank, )) for rank in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+class Coordinator:
+
+    def __init__(self, state):
+        self.state, self.settled = state, None
+
+    def trace_state(self):
+        return self.state
+
+    def settle_trace(self, **decision):
+        self.settled = decision
+
+
+@pytest.fixture
+def ranks(monkeypatch):
+    fake = ThreadRanks(3)
+    monkeypatch.setattr(agreement, "dist", fake)
+    return fake
+
+
+def step(ranks, optimizers, coordinators, invalid=None, carry_on_norm=True, policy="warn"):
+    """One optimizer step's agreement on every rank: open, the norm's all-reduce, settle."""
+
+    def on_rank(rank):
+        participants = [DeferredErrors(optimizers[rank]), LateParameters(optimizers[rank])]
+        participants.append(ModuleTrace(lambda: coordinators[rank]))
+        step_agreement = optimizers[rank].agreement = getattr(optimizers[rank], "agreement", None) or StepAgreement(
+            None, participants)
+        step_agreement.open(module="the model", late_policy=policy)
+        if carry_on_norm:
+            norm = step_agreement.all_reduce_sum(torch.tensor([float(rank + 1)]))
+            assert norm.item() == sum(range(1, ranks.n + 1))
+        flag = torch.tensor([float(invalid)]) if invalid is not None else None  # computed from the summed norm
+        return step_agreement.settle(flag)
+
+    return ranks.run(on_rank)
+
+
+def optimizer(errors=(), late=()):
+    return types.SimpleNamespace(deferred_errors=list(errors), late_parameters=lambda module: list(late))
+
+
+def test_step_agreement_rides_on_the_norm_and_decides_the_same_everywhere(ranks):
+    optimizers = [optimizer() for _ in range(3)]
+    coordinators = [Coordinator((False, True, 1234)) for _ in range(3)]
+    # the norm's invalid flag is read with the agreement (one transfer)
+    assert step(ranks, optimizers, coordinators, invalid=True) == [True, True, True]
+    assert [c[0] for c in ranks.calls] == ["all_reduce"] * 3  # the norm's, nothing else
+    assert all(c.settled == dict(all_complete=False, all_recorded_same=True, all_recorded=True) for c in coordinators)
+
+
+def test_step_agreement_without_a_norm_agrees_on_its_own(ranks):
+    optimizers = [optimizer() for _ in range(3)]
+    coordinators = [Coordinator((True, False, 0)) for _ in range(3)]
+    assert step(ranks, optimizers, coordinators, carry_on_norm=False) == [False, False, False]
+    assert len(ranks.calls) == 3
+    assert all(c.settled["all_complete"] for c in coordinators)
+
+
+def test_different_traces_are_found_on_every_rank(ranks):
+    optimizers = [optimizer() for _ in range(3)]
+    coordinators = [Coordinator((False, True, digest)) for digest in (7, 7, 8)]
+    step(ranks, optimizers, coordinators)
+    assert [c.settled["all_recorded_same"] for c in coordinators] == [False, False, False]
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(ranks):
+    optimizers = [optimizer(), optimizer([ValueError("planted")]), optimizer()]
+    coordinators = [Coordinator((True, False, 0)) for _ in range(3)]
+    results = step(ranks, optimizers, coordinators)
+    assert all(isinstance(r, agreement.RankDisagreementError) and "ranks [1]" in str(r) for r in results), results
+    assert isinstance(results[1].__cause__, ValueError) and results[0].__cause__ is None
+    assert all(c.settled is None for c in coordinators)  # nothing after the error is applied
+
+
+@pytest.mark.parametrize("policy", ["warn", "error"])
+def test_late_parameters_on_one_rank(ranks, policy):
+    optimizers = [optimizer(), optimizer(), optimizer(late=["head.weight"])]
+    coordinators = [None] * 3
+    results = step(ranks, optimizers, coordinators, policy=policy)
+    if policy == "error":
+        assert all(isinstance(r, agreement.LateParametersError) and "ranks [2]" in str(r) for r in results)
+    else:
+        assert results == [False, False, False]
+        assert all(o.agreement.participants[1]._warned for o in optimizers)  # warned once, on every rank
