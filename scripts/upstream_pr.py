@@ -39,7 +39,8 @@ PRS_FILE = ROOT / "prs.toml"
 HARNESS = ("tests/conftest.py", "tests/pytest.ini", "tests/unit/__init__.py", "tests/unit/common.py",
            "tests/unit/util.py")
 FORK_ONLY_LINE = re.compile(r".*#\s*fork-only\s*$")
-FORK_ONLY_WORDS = ("fork-only", "lockstep fork", "LOCKSTEP_", "scripts/fork.py")
+# (DS_LOCKSTEP_CHECK is DeepSpeed's own switch for the lockstep check; the fork's variables start LOCKSTEP_)
+FORK_ONLY_WORDS = [re.compile(w) for w in (r"fork-only", r"lockstep fork", r"(?<!DS_)LOCKSTEP_", r"scripts/fork\.py")]
 
 
 def add_arguments(p):
@@ -279,7 +280,10 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
         target = folder / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(stripped)
-        left = [w for w in FORK_ONLY_WORDS if w in stripped]
+        left = [
+            getattr(w, "pattern", w) for w in FORK_ONLY_WORDS
+            if (w.search(stripped) if hasattr(w, "search") else w in stripped)
+        ]
         if left:
             problems.append(f"{rel}: fork-only text left after stripping: {left}")
         try:
