@@ -130,8 +130,8 @@ def zero_config(stage, dtype, **zero):
 def train(config, usage, delay):
     rank = dist.get_rank()
     model = make_model()
-    if usage == "divergent" and config["zero_optimization"]["stage"] == 3:
-        deepspeed.zero.register_conditional_module(model.blocks[1])  # runs on some ranks only
+    if usage == "divergent" and config["zero_optimization"]["stage"] == 3:  # fork-only
+        deepspeed.zero.register_conditional_module(model.blocks[1])  # fork-only
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if delay:
@@ -201,6 +201,11 @@ ZERO12 = {
     for r in (False, True)
     for b in ("xl", "big")
 }
+USAGES = ["uniform"]
+# fork-only: begin
+# upstream's version of this test runs uniform usage under ZeRO-1/2 (the stages its fix touches); the fork also
+# runs ranks that skip a block, and ZeRO-3, which need the rank-invariant reduction plan
+USAGES.append("divergent")
 ZERO3 = {
     f"contig{int(c)}-rs{int(r)}-{b}":
     dict(contiguous_gradients=c, reduce_scatter=r, reduce_bucket_size=SMALL_BUCKET if b == "xl" else 50_000_000)
@@ -208,9 +213,10 @@ ZERO3 = {
     for r in (False, True)
     for b in ("xl", "big")
 }
+# fork-only: end
 
 
-@pytest.mark.parametrize("usage", ["uniform", "divergent"])
+@pytest.mark.parametrize("usage", USAGES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("config", sorted(ZERO12))
 @pytest.mark.parametrize("stage", [1, 2])
@@ -223,13 +229,17 @@ class TestSlowReductionStreamZero12(DistributedTest):
         check(stage, dtype, usage, ZERO12[config])
 
 
-@pytest.mark.parametrize("usage", ["uniform", "divergent"])
+# fork-only: begin
+@pytest.mark.parametrize("usage", USAGES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("config", sorted(ZERO3))
 class TestSlowReduceScatterStreamZero3(DistributedTest):
     world_size = 2
     exec_timeout = 120
-    exec_timeout *= REPEAT_INSIDE  # fork-only
+    exec_timeout *= REPEAT_INSIDE
 
     def test_same_parameters_as_without_delay(self, config, dtype, usage):
         check(3, dtype, usage, ZERO3[config])
+
+
+# fork-only: end
