@@ -4,7 +4,7 @@
 # DeepSpeed Team
 """PEP 517/660 in-tree build backend: upstream DeepSpeed + patches/, built by upstream's setup.py.
 
-Every hook first makes sure tree/ is materialized (scripts/fork.py), then runs setuptools'
+Every hook first makes sure tree/ is materialized (scripts/patch_queue.py), then runs setuptools'
 legacy backend with tree/ as the working directory, so that upstream's setup.py, its package
 list, scripts (`deepspeed`, `ds_report`, ...) and requirements are used unchanged. The version
 gets the fork's local label through upstream's own DS_BUILD_STRING mechanism
@@ -16,15 +16,15 @@ import contextlib
 import os
 import sys
 
-import fork
+import patch_queue
 
 
 @contextlib.contextmanager
 def _in_tree():
     try:
-        tree = fork.prepare_tree_for_build()
-        version = fork.local_version()
-    except fork.ForkError as e:
+        tree = patch_queue.prepare_tree_for_build()
+        version = patch_queue.local_version()
+    except patch_queue.ForkError as e:
         raise SystemExit(f"lockstep build: {e}") from None
     os.environ["DS_BUILD_STRING"] = version[version.index("+"):]
     old = os.getcwd()

@@ -32,9 +32,9 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-import fork
+import patch_queue
 
-ROOT = fork.ROOT
+ROOT = patch_queue.ROOT
 PRS_FILE = ROOT / "prs.toml"
 HARNESS = ("tests/conftest.py", "tests/pytest.ini", "tests/unit/__init__.py", "tests/unit/common.py",
            "tests/unit/util.py")
@@ -55,21 +55,22 @@ def add_arguments(p):
 
 def read_prs():
     prs = tomllib.loads(PRS_FILE.read_text())["pr"]
-    names = fork.read_series()
+    names = patch_queue.read_series()
     by_number = {n[:4]: n for n in names}
     for pr in prs:
         for key in ("patches", "depends"):
             missing = [n for n in pr[key] if n not in by_number]
             if missing:
-                raise fork.ForkError(f"prs.toml: {pr['name']} names patches not in the series: {missing}")
+                raise patch_queue.ForkError(f"prs.toml: {pr['name']} names patches not in the series: {missing}")
             pr[key] = [by_number[n] for n in pr[key]]
     fixed = [issue for pr in prs for issue in pr["fixes"]]
     twice = sorted({issue for issue in fixed if fixed.count(issue) > 1})
     if twice:
-        raise fork.ForkError(f"prs.toml: {twice} in the `fixes` of more than one PR (the first merge would close it)")
+        raise patch_queue.ForkError(
+            f"prs.toml: {twice} in the `fixes` of more than one PR (the first merge would close it)")
     covered = sorted(n for pr in prs for n in pr["patches"])
     if covered != sorted(names):
-        raise fork.ForkError(f"prs.toml must put every patch of the series in exactly one PR; got {covered}")
+        raise patch_queue.ForkError(f"prs.toml must put every patch of the series in exactly one PR; got {covered}")
     return prs
 
 
@@ -81,11 +82,12 @@ def author_identity(given):
     """The PR's author, who signs the Developer Certificate of Origin: refused unless it names a real person."""
     m = re.fullmatch(r"\s*(.+?)\s*<([^<>@\s]+@[^<>\s]+)>\s*", given or "")
     if not m:
-        raise fork.ForkError(f'--author must look like "Name <email>", not {given!r}')
+        raise patch_queue.ForkError(f'--author must look like "Name <email>", not {given!r}')
     name, email = m.group(1), m.group(2)
-    if PLACEHOLDER_EMAIL.search(email) or email == fork.IDENTITY[1]:
-        raise fork.ForkError(f"--author {given!r} is a placeholder: the Signed-off-by: trailer certifies the DCO, "
-                             "so it must name the person who submits the PR")
+    if PLACEHOLDER_EMAIL.search(email) or email == patch_queue.IDENTITY[1]:
+        raise patch_queue.ForkError(
+            f"--author {given!r} is a placeholder: the Signed-off-by: trailer certifies the DCO, "
+            "so it must name the person who submits the PR")
     return name, email
 
 
@@ -113,7 +115,7 @@ def signed_patch(text, name, email):
             signed = True
         out.append(line)
     if not signed:
-        raise fork.ForkError("a patch has no '---' separator")
+        raise patch_queue.ForkError("a patch has no '---' separator")
     return "\n".join(out)
 
 
@@ -143,10 +145,10 @@ def prove_applies(pr, pin, sdist, patch_dir, tmp):
     dep_dir = Path(tmp) / "deps"
     dep_dir.mkdir()
     for n in pr["depends"]:
-        shutil.copy(fork.PATCHES / n, dep_dir / n)
+        shutil.copy(patch_queue.PATCHES / n, dep_dir / n)
     for number, n in enumerate(pr["patches"], 1):
         shutil.copy(patch_dir / f"{number:04d}{n[4:]}", dep_dir / n)
-    fork.materialize(tree, pin, sdist, pr["depends"] + pr["patches"], source_dir=dep_dir)
+    patch_queue.materialize(tree, pin, sdist, pr["depends"] + pr["patches"], source_dir=dep_dir)
     return tree
 
 
@@ -169,25 +171,25 @@ def commit_tests(pr, prs, tree, author, folder):
         for rel, text in files.items():
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)
             (tree / rel).write_text(text)
-        fork.git(tree, "add", "-f", *files)
-        fork.git(tree,
-                 "commit",
-                 "-q",
-                 "--no-verify",
-                 "--allow-empty",
-                 "-s",
-                 "-m",
-                 f"tests: {pr['name']}\n\nThe tests of this change:\n\n" + "\n".join(f"- {rel}"
-                                                                                     for rel in pr["tests"]),
-                 env=env)
-    out = fork.git(tree,
-                   *fork.FORMAT_PATCH,
-                   "-1",
-                   "--start-number",
-                   str(len(pr["patches"]) + 1),
-                   "-o",
-                   str(folder / "patches"),
-                   env=env).stdout.strip()
+        patch_queue.git(tree, "add", "-f", *files)
+        patch_queue.git(tree,
+                        "commit",
+                        "-q",
+                        "--no-verify",
+                        "--allow-empty",
+                        "-s",
+                        "-m",
+                        f"tests: {pr['name']}\n\nThe tests of this change:\n\n" + "\n".join(f"- {rel}"
+                                                                                            for rel in pr["tests"]),
+                        env=env)
+    out = patch_queue.git(tree,
+                          *patch_queue.FORMAT_PATCH,
+                          "-1",
+                          "--start-number",
+                          str(len(pr["patches"]) + 1),
+                          "-o",
+                          str(folder / "patches"),
+                          env=env).stdout.strip()
     return Path(out.splitlines()[-1]).name
 
 
@@ -200,8 +202,8 @@ def run_checks(folder, tree):
     """Upstream's pre-commit checks over the files the PR adds or changes, as scripts/lint.sh runs them; a
     list of (check, outcome) pairs, each saying whether it ran."""
     changed = [
-        f for f in fork.git(tree, "diff", "--name-only", "--diff-filter=AM", fork.BASE_TAG, "HEAD").stdout.split()
-        if (tree / f).is_file()
+        f for f in patch_queue.git(tree, "diff", "--name-only", "--diff-filter=AM", patch_queue.BASE_TAG,
+                                   "HEAD").stdout.split() if (tree / f).is_file()
     ]
     py = [f for f in changed if f.endswith(".py")]
     venv = ROOT / ".cache" / "venv-lint" / "bin"
@@ -234,7 +236,7 @@ def run_under_upstream_harness(pr, tree, folder, upstream_repo, rev, tmp):
     for rel in HARNESS:
         content = subprocess.run(["git", "-C", upstream_repo, "show", f"{rev}:{rel}"], capture_output=True)
         if content.returncode != 0:
-            raise fork.ForkError(f"{upstream_repo} has no {rel} at {rev}")
+            raise patch_queue.ForkError(f"{upstream_repo} has no {rel} at {rev}")
         (run / rel).parent.mkdir(parents=True, exist_ok=True)
         (run / rel).write_bytes(content.stdout)
     shutil.copytree(folder / "tests", run / "tests", dirs_exist_ok=True)
@@ -271,7 +273,7 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
     (folder / "patches").mkdir(parents=True)
     messages = []
     for number, n in enumerate(pr["patches"], 1):  # numbered within the PR, as `git format-patch` numbers them
-        text = signed_patch((fork.PATCHES / n).read_text(), name, email)
+        text = signed_patch((patch_queue.PATCHES / n).read_text(), name, email)
         (folder / "patches" / f"{number:04d}{n[4:]}").write_text(text)
         body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
         messages.append((n, patch_subject(text), body.strip()))
@@ -305,7 +307,7 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
             tests_patch = commit_tests(pr, prs, tree, author, folder)
             checks.append((f"its tests as the last patch ({tests_patch})", "yes"))
             checks += run_checks(folder, tree)
-        except fork.ForkError as error:
+        except patch_queue.ForkError as error:
             problems.append(f"does not apply: {error}")
             tree = None
         if tree is not None and upstream_repo:
@@ -345,10 +347,10 @@ def run(args):
     wanted = set(args.names) if args.names else {pr["name"] for pr in prs}
     unknown = wanted - {pr["name"] for pr in prs}
     if unknown:
-        raise fork.ForkError(f"no such PR in prs.toml: {sorted(unknown)}")
+        raise patch_queue.ForkError(f"no such PR in prs.toml: {sorted(unknown)}")
     author = author_identity(args.author)
-    pin = fork.read_pin()
-    sdist = fork.obtain_sdist(pin)
+    pin = patch_queue.read_pin()
+    sdist = patch_queue.obtain_sdist(pin)
     status = 0
     for index, pr in enumerate(prs, 1):
         if pr["name"] not in wanted:

@@ -19,10 +19,10 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import fork
+import patch_queue
 
-TESTS = fork.ROOT / "tests"
-TEST_REQUIREMENTS = fork.ROOT / "requirements-test.txt"
+TESTS = patch_queue.ROOT / "tests"
+TEST_REQUIREMENTS = patch_queue.ROOT / "requirements-test.txt"
 TORCH = "torch==2.13.0"
 OUTCOME_PREFIX = "[lockstep-harness] outcome:"
 
@@ -40,12 +40,12 @@ def add_arguments(p):
 
 
 def upstream_python(pin):
-    venv = fork.CACHE / f"venv-upstream-{pin['version']}"
+    venv = patch_queue.CACHE / f"venv-upstream-{pin['version']}"
     python = venv / "bin" / "python"
     stamp = venv / ".lockstep-ready"
     if stamp.exists():
         return python
-    sdist = fork.obtain_sdist(pin)
+    sdist = patch_queue.obtain_sdist(pin)
     print(f"verify: creating {venv} (vanilla {pin['name']} {pin['version']}) ...", file=sys.stderr)
     steps = [[sys.executable, "-m", "venv", "--clear", str(venv)], [str(python), "-m", "pip", "install", "-q", TORCH],
              [str(python), "-m", "pip", "install", "-q",
@@ -54,7 +54,7 @@ def upstream_python(pin):
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             tail = (p.stderr or p.stdout).strip().splitlines()[-1:]
-            raise fork.ForkError(f"creating the upstream venv failed at `{' '.join(cmd[-3:])}`: {tail}")
+            raise patch_queue.ForkError(f"creating the upstream venv failed at `{' '.join(cmd[-3:])}`: {tail}")
     stamp.write_text(pin["sdist_sha256"] + "\n")
     return python
 
@@ -65,7 +65,7 @@ def _version(python):
                        text=True,
                        env=dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu")))
     if p.returncode != 0:
-        raise fork.ForkError(f"{python} cannot import deepspeed")
+        raise patch_queue.ForkError(f"{python} cannot import deepspeed")
     return p.stdout.strip().splitlines()[-1]
 
 
@@ -89,7 +89,7 @@ def _relative_to_tests(arg):
     path, sep, rest = arg.partition("::")
     p = Path(path)
     if not p.is_absolute():
-        p = (Path.cwd() / p) if (Path.cwd() / p).exists() else fork.ROOT / p
+        p = (Path.cwd() / p) if (Path.cwd() / p).exists() else patch_queue.ROOT / p
     try:
         return str(p.resolve().relative_to(TESTS)) + sep + rest
     except ValueError:
@@ -125,7 +125,7 @@ def run_side(python, args, label, record_dir):
                    LOCKSTEP_RECORD_DIR=str(record_dir))
         subprocess.run(cmd, cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not xml.exists():
-            raise fork.ForkError(f"pytest produced no report against {label}")
+            raise patch_queue.ForkError(f"pytest produced no report against {label}")
         return {_test_id(case): _outcome(case) for case in ET.parse(xml).getroot().iter("testcase")}
 
 
@@ -155,16 +155,16 @@ def _same_numbers(name, up, mine, up_dir, fork_dir):
 
 
 def run(args):
-    pin = fork.read_pin()
+    pin = patch_queue.read_pin()
     up_python = Path(args.upstream_python) if args.upstream_python else upstream_python(pin)
-    fork_python = Path(args.fork_python) if args.fork_python else fork.ROOT / ".venv" / "bin" / "python"
+    fork_python = Path(args.fork_python) if args.fork_python else patch_queue.ROOT / ".venv" / "bin" / "python"
     if not fork_python.exists():
-        raise fork.ForkError(f"{fork_python} not found: run the README's set-up first (or pass --fork-python)")
+        raise patch_queue.ForkError(f"{fork_python} not found: run the README's set-up first (or pass --fork-python)")
     up_version, fork_version = _version(up_python), _version(fork_python)
     if "+lockstep" in up_version:
-        raise fork.ForkError(f"{up_python} has the fork ({up_version}), not vanilla upstream")
+        raise patch_queue.ForkError(f"{up_python} has the fork ({up_version}), not vanilla upstream")
     if "+lockstep" not in fork_version:
-        raise fork.ForkError(f"{fork_python} has deepspeed {fork_version}, not the fork")
+        raise patch_queue.ForkError(f"{fork_python} has deepspeed {fork_version}, not the fork")
     with tempfile.TemporaryDirectory() as up_dir, tempfile.TemporaryDirectory() as fork_dir:
         up = run_side(up_python, args, f"deepspeed {up_version}", up_dir)
         mine = run_side(fork_python, args, f"deepspeed {fork_version}", fork_dir)
