@@ -402,25 +402,26 @@ class TestImagesAlternateAcrossRanks(DistributedTest):
 
 
 class TestVotesOfAnNcclJob(DistributedTest):
-    """An NCCL data-parallel group cannot carry the CPU votes: ZeRO-3 builds a gloo group of the same ranks
-    for them. The CPU machine has no NCCL, so the group is built here as for an NCCL job (its backend
-    reported as "nccl" while it is built) and given to the ballot; a rank stops getting images after the
-    first step."""
+    """An NCCL job's votes go on its data-parallel group, as accelerator tensors: ZeRO-3 builds no process
+    group of its own (no gloo twin of the data-parallel group). The CPU machine has no NCCL, so every group's
+    backend is reported as "nccl" for the whole run (the CPU accelerator's tensors still go through gloo),
+    and every process group built through DeepSpeed's comm is recorded; a rank stops getting images after
+    the first step."""
     world_size = 2
     exec_timeout = 60
 
     def test_lockstep(self, monkeypatch):
-        from deepspeed.runtime.zero.fetch_ballot import _cpu_vote_group  # new in this change
+        from deepspeed.runtime.zero.fetch_ballot import FetchBallot  # new in this change
+        polls, built = [], []
+        real_poll, real_new_group = FetchBallot._poll, deepspeed.comm.new_group
+        monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
+        monkeypatch.setattr(deepspeed.comm, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(deepspeed.comm, "new_group",
+                            lambda *args, **kwargs: built.append(kwargs) or real_new_group(*args, **kwargs))
         scenario = Scenario("skip_after_uniform", "", LATE["skip_after_uniform"])
         config = _config()
         engine = make_engine(scenario, config)
-        ballot = engine.optimizer.parameter_offload.get_param_coordinator().fetch_ballot
-        with monkeypatch.context() as patched:
-            patched.setattr(deepspeed.comm, "get_backend", lambda group=None: "nccl")
-            twin = _cpu_vote_group(engine.optimizer.dp_process_group)
-        assert twin is not None and twin is not engine.optimizer.dp_process_group
-        assert dist.get_backend(twin) == "gloo"
-        ballot._vote_group = twin
+        built.clear()  # initialize's own groups are upstream's
         rank = dist.get_rank()
         for step in range(STEPS):
             x, image, route = batch(scenario, rank, step, 0, device=device())
@@ -428,6 +429,8 @@ class TestVotesOfAnNcclJob(DistributedTest):
             engine.step()
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+        assert polls, "the first step did not vote"
+        assert built == [], f"process groups built after initialize: {built}"
 
 
 # usages whose ranks differ from the first step on, at every step
