@@ -2,12 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The lockstep check (``DS_LOCKSTEP_CHECK=1``): every rank's collectives since the last optimizer step are
-compared at the step, on the step agreement.
+"""The lockstep check (``"lockstep_check": true`` in the config, or ``DS_LOCKSTEP_CHECK=1``): every rank's
+collectives since the last optimizer step are compared at the step, on the step agreement.
 
 - A model that issues its own all-reduce from one place on ranks 0 and 1 and from another place on ranks
   2 and 3 (the same size: nothing hangs, and the sums silently mix two quantities): at that step every rank
   raises the same error naming both places and the ranks on each side.
+- The check on some ranks only (it widens the step agreement, so the ranks' step collectives would differ):
+  every rank raises the same error at initialize.
 - Uniform usage under ZeRO-1/2/3, the check on: no error, and the parameters equal the plain-PyTorch
   reference (the check adds no collective of its own, only a digest on the step's norm all-reduce)."""
 
@@ -28,12 +30,14 @@ STEPS = 3
 
 
 @contextlib.contextmanager
-def lockstep_check():
-    os.environ["DS_LOCKSTEP_CHECK"] = "1"
+def lockstep_check(setting="1"):
+    """``DS_LOCKSTEP_CHECK`` set to ``setting`` (None: unset) while the block runs."""
+    if setting is not None:
+        os.environ["DS_LOCKSTEP_CHECK"] = setting
     try:
         yield
     finally:
-        del os.environ["DS_LOCKSTEP_CHECK"]
+        os.environ.pop("DS_LOCKSTEP_CHECK", None)
         hang_report.stop()
 
 
@@ -55,12 +59,15 @@ class TestModelCollectivesDiffer(DistributedTest):
     world_size = 4
     exec_timeout = 90
 
-    @pytest.mark.parametrize("stage", [2, 3])
-    def test_every_rank_raises_naming_both_places(self, stage):
+    @pytest.mark.parametrize("stage, turned_on_by", [(2, "environment"), (3, "config")])
+    def test_every_rank_raises_naming_both_places(self, stage, turned_on_by):
         scenario = SCENARIOS["uniform"]
         rank = dist.get_rank()
-        with lockstep_check():
-            engine = make_engine(scenario, zero_config(stage))
+        config = zero_config(stage)
+        if turned_on_by == "config":
+            config["lockstep_check"] = True
+        with lockstep_check("1" if turned_on_by == "environment" else None):
+            engine = make_engine(scenario, config)
             for step in range(STEPS):
                 x, image, route = batch(scenario, rank, step, 0, device=device())
                 loss = engine(x, image, route)
@@ -76,6 +83,31 @@ class TestModelCollectivesDiffer(DistributedTest):
         message = str(error.value)
         assert "ranks 0, 1: all_reduce [4 torch.float32]" in message and "in log_the_loss" in message, message
         assert "ranks 2, 3: all_reduce [4 torch.float32]" in message and "in sum_a_metric" in message, message
+
+
+@pytest.mark.parametrize("stage, how", [(2, "environment on rank 0"), (3, "config, environment off on rank 1")])
+class TestCheckOnSomeRanksOnly(DistributedTest):
+    """The check on rank 0 only, by ``DS_LOCKSTEP_CHECK=1`` there, or by the config everywhere with
+    ``DS_LOCKSTEP_CHECK=0`` on rank 1: every rank raises at initialize, before a step could mismatch."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_every_rank_raises_at_initialize(self, stage, how):
+        scenario = SCENARIOS["uniform"]
+        config = zero_config(stage)
+        rank = dist.get_rank()
+        if how.startswith("config"):
+            config["lockstep_check"] = True
+            setting = "0" if rank == 1 else None
+        else:
+            setting = "1" if rank == 0 else None
+        with lockstep_check(setting):
+            with pytest.raises(RankDisagreementError, match=r"step checks \(lockstep_check\); ranks \[0\] vs \[1\]"):
+                engine = make_engine(scenario, config)
+                for step in range(STEPS):
+                    x, image, route = batch(scenario, rank, step, 0, device=device())
+                    engine.backward(engine(x, image, route))
+                    engine.step()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
