@@ -46,8 +46,29 @@ WORKER = textwrap.dedent('''
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     own_group = torch_dist.new_group(list(range(dist.get_world_size())))
+    in_backward = [False]  # the model's collective in backward, on this rank at this step
+
+
+    class CollectiveInBackward(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, h):
+            return h.view_as(h)
+
+        @staticmethod
+        def backward(ctx, grad):
+            torch_dist.all_reduce(torch.ones(4), group=own_group)  # BACKWARD COLLECTIVE
+            return grad
+
+
+    class Tap(torch.nn.Module):
+
+        def forward(self, h):
+            return CollectiveInBackward.apply(h) if in_backward[0] else h
+
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), Tap(), torch.nn.Linear(16, 1))
     config = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 2}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -68,6 +89,7 @@ WORKER = textwrap.dedent('''
         x = load(step)
         if scenario == "user_collective" and step == 2 and rank in (0, 1):
             torch_dist.all_reduce(torch.ones(4), group=own_group)  # USER COLLECTIVE
+        in_backward[0] = scenario == "backward_collective" and step == 2 and rank in (0, 1)
         engine.backward(engine(x).pow(2).mean())
         engine.step()
 ''')
@@ -137,8 +159,11 @@ def _run_until_reported(tmp_path, scenario, expected_reports, world_size=WORLD_S
             except ProcessLookupError:
                 pass
             p.wait()
-    return tmp_path / "verdict", WORKER.splitlines().index(
-        next(line for line in WORKER.splitlines() if "USER COLLECTIVE" in line))
+    return tmp_path / "verdict", _line_of("USER COLLECTIVE")
+
+
+def _line_of(marker):
+    return 1 + WORKER.splitlines().index(next(line for line in WORKER.splitlines() if marker in line))
 
 
 @pytest.mark.parametrize("world_size", [WORLD_SIZE, pytest.param(16, marks=pytest.mark.nightly)])
@@ -148,13 +173,30 @@ def test_user_collective_on_two_ranks(tmp_path, world_size):
     verdict = hang_report.merge(reports)
     assert len(verdict) == 2, verdict
     assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce called in the model at worker.py:"
-                                 ) and f"worker.py:{line + 1}" in verdict[0]
+                                 ) and f"worker.py:{line}" in verdict[0]
     assert "step 2" in verdict[0] and "not in DeepSpeed" in verdict[0], verdict
     others = ", ".join(map(str, range(2, world_size)))
     assert verdict[1].startswith(f"ranks {others}: all_reduce ")
     assert f"on ranks {list(range(world_size))} issued at stage_1_and_2.py" in verdict[1], verdict
     assert "(backward)" in verdict[1] and "step 2" in verdict[1], verdict
 
+
+# fork-only: begin
+def test_collective_in_backward_on_two_ranks(tmp_path):
+    """Ranks 0 and 1 wait in a collective the model issues in its backward, before the first layer's
+    gradients exist; ranks 2 and 3 finished their backward and wait in ZeRO's reduction. The report of ranks 0
+    and 1 says which gradients ZeRO's reduction still waits for there."""
+    reports, _ = _run_until_reported(tmp_path, "backward_collective", WORLD_SIZE)
+    verdict = hang_report.merge(reports)
+    assert len(verdict) == 2, verdict
+    assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce called in the model at worker.py:"
+                                 f"{_line_of('BACKWARD COLLECTIVE')}"), verdict
+    assert verdict[0].endswith("; ZeRO's reduction waits for 2 gradients (0.bias, 0.weight), 0 of 1 buckets "
+                               "launched"), verdict
+    assert verdict[1].startswith("ranks 2, 3: all_reduce ") and "waits for" not in verdict[1], verdict
+
+
+# fork-only: end
 
 DYING = ["loader", "killed"]
 # fork-only: begin
