@@ -179,6 +179,15 @@ def test_user_collective_on_two_ranks(tmp_path, world_size):
     assert verdict[1].startswith(f"ranks {others}: all_reduce ")
     assert f"on ranks {list(range(world_size))} issued at stage_1_and_2.py" in verdict[1], verdict
     assert "(backward)" in verdict[1] and "step 2" in verdict[1], verdict
+    # what a user runs: the same verdict on stdout
+    command = subprocess.run([sys.executable, "-m", "deepspeed.utils.hang_report",
+                              str(reports)],
+                             env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                             capture_output=True,
+                             text=True,
+                             timeout=120)
+    assert command.returncode == 0 and command.stdout.splitlines() == verdict, (command.returncode, command.stdout,
+                                                                                command.stderr[-2000:])
 
 
 # fork-only: begin
