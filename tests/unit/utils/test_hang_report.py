@@ -113,7 +113,7 @@ def _reports_of_the_hang(reports):
     return found
 
 
-def _run_until_reported(tmp_path, scenario, expected_reports, world_size=WORLD_SIZE):
+def _run_until_reported(tmp_path, scenario, expected_reports, world_size=WORLD_SIZE, **extra_env):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     reports = tmp_path / "reports"
@@ -132,7 +132,8 @@ def _run_until_reported(tmp_path, scenario, expected_reports, world_size=WORLD_S
                        DS_ACCELERATOR="cpu",
                        TORCH_EXTENSIONS_DIR=str(tmp_path / "torch-extensions"),
                        DS_HANG_REPORT_DIR=str(reports),
-                       DS_HANG_REPORT_TIMEOUT=str(TIMEOUT))
+                       DS_HANG_REPORT_TIMEOUT=str(TIMEOUT),
+                       **extra_env)
             procs.append(
                 subprocess.Popen([sys.executable, str(script), scenario],
                                  env=env,
@@ -203,6 +204,30 @@ def test_collective_in_backward_on_two_ranks(tmp_path):
     assert verdict[0].endswith("; ZeRO's reduction waits for 2 gradients (0.bias, 0.weight), 0 of 1 buckets "
                                "launched"), verdict
     assert verdict[1].startswith("ranks 2, 3: all_reduce ") and "waits for" not in verdict[1], verdict
+
+
+def test_flight_recorder(tmp_path):
+    """With PyTorch's flight recorder on, each report comes with its dump (``fr/rank_<N>``, torchfrtrace's
+    layout), and the command adds what the dumps say per process group: ranks 0 and 1 issued the model's
+    all-reduce on their own group, which ranks 2 and 3 never issued, and ranks 2 and 3 issued ZeRO's bucket
+    all-reduce, which ranks 0 and 1 never issued: a cross-group deadlock."""
+    reports, _ = _run_until_reported(tmp_path, "user_collective", WORLD_SIZE, TORCH_FR_BUFFER_SIZE="200")
+    assert sorted(os.listdir(reports / "fr")) == [f"rank_{rank}" for rank in range(WORLD_SIZE)]
+    lines = hang_report.flight_recorder_verdict(reports)
+    assert len(lines) == 2, lines
+    model = [line for line in lines if "ranks 0, 1: all_reduce [4 Float]; ranks 2, 3: not issued (its last: #" in line]
+    zero = [
+        line for line in lines if "ranks 0, 1: not issued (its last: #" in line and "ranks 2, 3: all_reduce [161 "
+        "Float]" in line
+    ]
+    assert len(model) == 1 and len(zero) == 1, lines
+    command = subprocess.run([sys.executable, "-m", "deepspeed.utils.hang_report",
+                              str(reports)],
+                             env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                             capture_output=True,
+                             text=True,
+                             timeout=120)
+    assert command.stdout.splitlines() == hang_report.merge(reports) + lines, command.stdout
 
 
 # fork-only: end
