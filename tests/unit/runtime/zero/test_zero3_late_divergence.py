@@ -105,6 +105,59 @@ def _assert_replayed(engine, leaves):
     assert (schedule.switches > 0) == leaves, f"{schedule.switches} switches to votes"
 
 
+@pytest.mark.parametrize("usage", ["extra_after_uniform", "skip_after_uniform"])
+@pytest.mark.parametrize("prefetch", ["short", "default"])
+class TestTrainingForwardWithoutBackward(DistributedTest):
+    """At step 1 a training-mode forward with autograd on (its loss dropped, no backward) runs before the
+    step's real forward and backward: rank 0 runs the image projector there, which the schedule agreed at
+    step 0 lacks (it leaves the schedule; no images elsewhere), or rank 1 skips it (images everywhere
+    else). Parameters are released after each use
+    (``stage3_max_reuse_distance: 0``), so the backward fetches again. The forward after it replays the
+    backward that did not come on every rank; that forward's gradients count nowhere."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage, prefetch):
+        dropped = Scenario(usage, usage, LATE[usage])
+        images = usage != "extra_after_uniform"  # the step's own batches: images everywhere, or nowhere
+        scenario = Scenario("images" if images else "no_images", "", lambda r, s, m: (images, "ab"))
+        config = _config(stage3_max_reuse_distance=0, **(SHORT_PREFETCH if prefetch == "short" else {}))
+        engine = make_engine(scenario, config)
+        rank = dist.get_rank()
+        for step in range(STEPS):
+            if step == 1:
+                x, image, route = batch(dropped, rank, step, 0, device=device())
+                engine(x, image, route)
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward(engine(x, image, route))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+        _assert_replayed(engine, leaves=usage in LEAVES)
+
+
+@pytest.mark.parametrize("usage", ["uniform", "skip_after_uniform", "extra_after_uniform"])
+class TestTwoForwardsOneBackward(DistributedTest):
+    """Each micro-step runs two training forwards of its batch and one backward of their mean (a model
+    called twice per loss): at the second forward no rank knows that the first one's backward comes later,
+    so every rank replays it there with zeros (the cost of the case above). The gradients equal one
+    forward's; the ranks may differ after step 0 as above."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage):
+        scenario = Scenario(usage, usage, LATE.get(usage, lambda r, s, m: (True, "ab")))
+        config = _config(stage3_max_reuse_distance=0, **SHORT_PREFETCH)
+        engine = make_engine(scenario, config)
+        rank = dist.get_rank()
+        for step in range(STEPS):
+            x, image, route = batch(scenario, rank, step, 0, device=device())
+            engine.backward((engine(x, image, route) + engine(x, image, route)) / 2)
+            engine.step()
+        mine = full_params(engine.module, 3)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
 @pytest.mark.parametrize("usage", ["skip_after_uniform", "extra_after_uniform", "order_after_uniform"])
 class TestModulesDifferUnderCheckpointing(DistributedTest):
     """The same with the model's block under reentrant activation checkpointing: its forward runs again in
