@@ -112,8 +112,10 @@ class TestTrainingForwardWithoutBackward(DistributedTest):
     step's real forward and backward: rank 0 runs the image projector there, which the schedule agreed at
     step 0 lacks (it leaves the schedule; no images elsewhere), or rank 1 skips it (images everywhere
     else). Parameters are released after each use
-    (``stage3_max_reuse_distance: 0``), so the backward fetches again. The forward after it replays the
-    backward that did not come on every rank; that forward's gradients count nowhere."""
+    (``stage3_max_reuse_distance: 0``), so the backward fetches again. The schedule has no second forward
+    before a backward: at the forward after the dropped one every rank leaves the schedule (it replays the
+    backward that did not come) and the ranks switch to votes for the rest of the step; that forward's
+    gradients count nowhere."""
     world_size = 2
     exec_timeout = 60
 
@@ -133,15 +135,19 @@ class TestTrainingForwardWithoutBackward(DistributedTest):
             engine.step()
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
-        _assert_replayed(engine, leaves=usage in LEAVES)
+        _assert_replayed(engine, leaves=True)
+        # the step after the dropped forward's replayed its second forward's fetches; the ranks agreed there
+        # on a schedule of one forward again
+        forwards = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule.forwards
+        agree_on_every_rank(forwards == 1, f"the schedule has {forwards} forwards before its backward")
 
 
 @pytest.mark.parametrize("usage", ["uniform", "skip_after_uniform", "extra_after_uniform"])
 class TestTwoForwardsOneBackward(DistributedTest):
     """Each micro-step runs two training forwards of its batch and one backward of their mean (a model
-    called twice per loss): at the second forward no rank knows that the first one's backward comes later,
-    so every rank replays it there with zeros (the cost of the case above). The gradients equal one
-    forward's; the ranks may differ after step 0 as above."""
+    called twice per loss): the schedule agreed at step 0 has both forwards before the backward, so with
+    uniform usage no rank replays anything (no backward replayed at the second forward) and nothing is
+    voted. The gradients equal one forward's; the ranks may differ after step 0 as above."""
     world_size = 2
     exec_timeout = 60
 
@@ -156,6 +162,58 @@ class TestTwoForwardsOneBackward(DistributedTest):
             engine.step()
         mine = full_params(engine.module, 3)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+        if usage == "uniform":
+            schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+            agree_on_every_rank(
+                schedule.replayed == 0 and schedule.switches == 0 and schedule.forwards == 2,
+                f"uniform usage replayed {schedule.replayed} events, {schedule.switches} switches, "
+                f"{schedule.forwards} forwards scheduled")
+        else:
+            _assert_replayed(engine, leaves=usage in LEAVES)
+
+
+# (rank, step) -> whether each training forward before the micro-step's one backward gets an image: how many
+# forwards a rank runs per loss, and which modules, after uniform step 0
+FORWARDS = {
+    # step 0: two forwards everywhere; then one on rank 0 (it replays the second one's fetches)
+    "fewer_here": lambda r, s: [False] if r == 0 and s > 0 else [False, False],
+    # step 0: one forward everywhere; then two on rank 1 (it leaves the schedule at the second one)
+    "more_here": lambda r, s: [False, False] if r == 1 and s > 0 else [False],
+    # two forwards everywhere; after step 0 rank 0's first one runs the image projector the schedule lacks
+    "extra_in_first": lambda r, s: [r == 0 and s > 0, False],
+}
+
+
+@pytest.mark.parametrize("usage", sorted(FORWARDS))
+class TestForwardsPerLossDiffer(DistributedTest):
+    """A model called several times per loss (one backward of the mean of its forwards, all of the same
+    batch), as many times on every rank at step 0 (the schedule is agreed there), then a different number
+    of times per rank (a loss over a rank's own number of chunks), or a module the schedule lacks in the
+    first of two forwards. Parameters are released after each use. The gradients equal one forward's (with
+    the image projector's share where it ran)."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage):
+        scenario = Scenario(usage, usage, lambda r, s, m: (True, "ab"))
+        config = _config(stage3_max_reuse_distance=0, **SHORT_PREFETCH)
+        engine = make_engine(scenario, config)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+
+        def loss_of(model, r, s, dev="cpu"):
+            x, image, route = batch(scenario, r, s, 0, device=dev)
+            outs = [model(x, image if with_image else None, route) for with_image in FORWARDS[usage](r, s)]
+            return sum(outs) / len(outs)
+
+        for step in range(STEPS):
+            engine.backward(loss_of(engine, rank, step, device()))
+            engine.step()
+        mine = full_params(engine.module, 3)
+        ref_model = make_model(scenario)
+        ref = reference_training(ref_model, make_optimizer(ref_model, scenario), world_size, STEPS, 1,
+                                 lambda r, s, m: loss_of(ref_model, r, s))
+        assert_lockstep(mine, ref, config, STEPS)
+        _assert_replayed(engine, leaves=usage != "fewer_here")
 
 
 @pytest.mark.parametrize("usage", ["skip_after_uniform", "extra_after_uniform", "order_after_uniform"])

@@ -221,3 +221,50 @@ class TestStepCost(DistributedTest):
             assert votes == dict(forward=0, backward=0, step=0), f"fetch votes in steady state: {votes}"
         # fork-only: end
         record_for_verify(json.dumps(steady, sort_keys=True))  # fork-only
+
+
+# fork-only: begin
+# (the fetch schedule's property: upstream receives it with the schedule's PR, not this one)
+class TestStepCostTwoForwardsPerLoss(DistributedTest):
+    """ZeRO-3 with every parameter fetched, a model called twice per loss (one backward of both forwards,
+    a Siamese or contrastive loss), uniform usage: in steady state the second forward issues nothing the
+    first does not (no gradient reduction, no backward's fetches), on every rank the same."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_second_forward(self):
+        scenario = SCENARIOS["uniform"]
+        engine = make_engine(scenario, zero_config(3, stage3_param_persistence_threshold=0))
+        rank, warmup, steps = dist.get_rank(), 2, 3
+        recorder = CostRecorder()
+        try:
+            per_step = []
+            for step in range(warmup + steps):
+                x, image, route = batch(scenario, rank, step, 0, device=device())
+                recorder.counts.clear()
+                with recorder.recording("forward 1"):
+                    first = engine(x, image, route)
+                with recorder.recording("forward 2"):
+                    second = engine(x, image, route)
+                with recorder.recording("backward"):
+                    engine.backward((first + second) / 2)
+                with recorder.recording("step"):
+                    engine.step()
+                if step >= warmup:
+                    per_step.append({p: recorder.of(p) for p in ("forward 1", "forward 2", "backward", "step")})
+        finally:
+            recorder.remove()
+        steady = per_step[0]
+        assert all(counts == steady for counts in per_step), f"steady steps differ: {per_step}"
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, steady)
+        assert all(g == steady for g in gathered), f"ranks differ: {gathered}"
+        first, second = steady["forward 1"], steady["forward 2"]
+        assert not any("reduce" in what and "all_reduce" not in what for what in second), \
+            f"the second forward reduced gradients: {second}"
+        assert all(n <= first.get(what, 0) for what, n in second.items()), \
+            f"the second forward issued more than the first: {second} vs {first}"
+        record_for_verify(json.dumps(steady, sort_keys=True))  # fork-only
+
+
+# fork-only: end
