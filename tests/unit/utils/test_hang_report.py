@@ -13,6 +13,8 @@ ranks wait where (and in which DeepSpeed collective), and which ranks wrote noth
 - killed: rank 3 ends without a word (``os._exit``), the others wait;
 - aborted: rank 3 dies of a fatal signal (``os.abort``, as a C++ abort in gloo or NCCL), which leaves no
   Python exception: faulthandler's dump says where.
+- ZeRO-3 forward collective (2 ranks): rank 0 all-reduces in a module's forward after the ranks agreed on the
+  fetch schedule, rank 1 goes on: each line says where the rank stands in the schedule.
 
 The ranks are plain processes (not the harness's ``DistributedTest``: the hang is the point), killed with
 their process group when the reports are in, or at the deadline."""
@@ -30,6 +32,13 @@ import time
 import pytest
 
 from deepspeed.utils import hang_report
+# fork-only: begin
+import re
+
+import torch
+
+from deepspeed.runtime.zero.fetch_schedule import FWD_POST, FWD_PRE, FetchSchedule
+# fork-only: end
 
 WORLD_SIZE = 4
 TIMEOUT = 3  # seconds without progress before a rank reports
@@ -47,6 +56,7 @@ WORKER = textwrap.dedent('''
     rank = dist.get_rank()
     own_group = torch_dist.new_group(list(range(dist.get_world_size())))
     in_backward = [False]  # the model's collective in backward, on this rank at this step
+    in_forward = [False]  # the model's collective in forward, on this rank at this step
 
 
     class CollectiveInBackward(torch.autograd.Function):
@@ -64,6 +74,8 @@ WORKER = textwrap.dedent('''
     class Tap(torch.nn.Module):
 
         def forward(self, h):
+            if in_forward[0]:
+                torch_dist.all_reduce(torch.ones(4), group=own_group)  # FORWARD COLLECTIVE
             return CollectiveInBackward.apply(h) if in_backward[0] else h
 
 
@@ -71,6 +83,8 @@ WORKER = textwrap.dedent('''
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), Tap(), torch.nn.Linear(16, 1))
     config = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 2}}
+    if scenario.startswith("zero3"):  # every parameter fetched
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                            config=config)
 
@@ -90,6 +104,7 @@ WORKER = textwrap.dedent('''
         if scenario == "user_collective" and step == 2 and rank in (0, 1):
             torch_dist.all_reduce(torch.ones(4), group=own_group)  # USER COLLECTIVE
         in_backward[0] = scenario == "backward_collective" and step == 2 and rank in (0, 1)
+        in_forward[0] = scenario == "zero3_forward_collective" and step == 2 and rank == 0
         engine.backward(engine(x).pow(2).mean())
         engine.step()
 ''')
@@ -228,6 +243,72 @@ def test_flight_recorder(tmp_path):
                              text=True,
                              timeout=120)
     assert command.stdout.splitlines() == hang_report.merge(reports) + lines, command.stdout
+
+
+def test_zero3_forward_collective_on_one_rank(tmp_path):
+    """ZeRO-3, 2 ranks: after the ranks agreed on the fetch schedule (step 0), rank 0 all-reduces in the forward
+    of the model's third module at step 2 and rank 1 goes on into ZeRO's reductions. Each rank's line says
+    where it stands in the schedule: replaying it, and, for rank 0, the event the schedule has next there."""
+    reports, _ = _run_until_reported(tmp_path, "zero3_forward_collective", 2, world_size=2)
+    verdict = hang_report.merge(reports)
+    assert len(verdict) == 2, verdict
+    assert verdict[0].startswith("rank 0: in the torch collective all_reduce called in the model at worker.py:"
+                                 f"{_line_of('FORWARD COLLECTIVE')}"), verdict
+    assert re.search(r"; ZeRO-3 fetch schedule: replaying, event \d+ of \d+, next: end of the forward of 2$",
+                     verdict[0]), verdict
+    assert verdict[1].startswith("rank 1: reduce_scatter_tensor ") and "; ZeRO-3 fetch schedule: replaying, event " \
+        in verdict[1], verdict
+    assert " issued at nvtx.py" not in verdict[1], verdict  # where ZeRO-3 issued it, not its profiling wrapper
+    state = json.loads((reports / "rank-0.json").read_text())["fetch_schedule"]
+    assert state["next"][:2] == ["end of the forward of 2", "forward of 3"], state
+    assert state["left"] is False and state["switches"] == 0 and state["forwards"] == 1, state
+
+
+class _Participant:
+    """Fetches and reductions that do nothing (a ``ScheduleParticipant`` for one process)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: []
+
+
+def test_fetch_schedule_describe():
+    """``FetchSchedule.describe`` on one process: voting before a schedule is agreed, replaying after, with
+    the next events named; where this rank left it; and a description that cannot be made is an error entry,
+    not an exception (the hang report calls it from its watchdog thread)."""
+    root, layer, extra = torch.nn.Sequential(), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    for ds_id, module in enumerate((root, layer, extra)):
+        module.ds_id = ds_id
+    names = dict(zip(map(id, (root, layer, extra)), ("model", "layer", "extra")))
+    schedule = FetchSchedule(_Participant(), _Participant(), [root, layer, extra], names=names)
+    state = schedule.describe()
+    assert (state["mode"], state["agreed"], state["next"]) == ("voting", False, []), state
+    assert hang_report._schedule_position(dict(fetch_schedule=state)) == \
+        "; ZeRO-3 fetch schedule: voting (no schedule agreed yet)"
+    events = [(FWD_PRE, root), (FWD_PRE, layer), (FWD_POST, layer), (FWD_POST, root)]
+    schedule.begin_forward(checked_at_end=False)
+    for kind, module in events:
+        schedule.hook(kind, module)
+    schedule.end_forward()
+    schedule.end_backward()
+    schedule.adopt()
+    schedule.begin_forward(checked_at_end=False)
+    schedule.hook(FWD_PRE, root)
+    state = schedule.describe()
+    assert (state["mode"], state["cursor"], state["events"], state["recorded"]) == ("replaying", 1, 6, 1), state
+    assert state["next"] == [
+        "forward of layer", "end of the forward of layer", "end of the forward of model", "end of forward"
+    ], state
+    assert hang_report._schedule_position(dict(fetch_schedule=state)) == \
+        "; ZeRO-3 fetch schedule: replaying, event 1 of 6, next: forward of layer"
+    schedule.hook(FWD_PRE, extra)  # not in the schedule: this rank leaves it (and, alone, switches at once)
+    state = schedule.describe()
+    assert (state["mode"], state["left"], state["left_at"]) == ("voting", True, "the forward of extra"), state
+    assert hang_report._schedule_position(dict(fetch_schedule=state)) == \
+        "; ZeRO-3 fetch schedule: voting (switched this step), this rank left it at the forward of extra"
+    json.dumps(state)
+    schedule._modules = None  # as if a training thread replaced it meanwhile
+    schedule._events, schedule._cursor = tuple(events), 0
+    assert "error" in schedule.describe()
 
 
 # fork-only: end
