@@ -211,9 +211,14 @@ def rank_main(args):
     times, collectives, routes, last_signatures = [], [], [], {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    profiler = None
     for step in range(args.warmup + args.steps):
         get_accelerator().synchronize()
         dist.barrier()
+        if step == args.warmup and rank == 0 and os.environ.get("BENCH_PROFILE"):
+            import cProfile  # BENCH_PROFILE=file: rank 0's timed steps under cProfile (host time only)
+            profiler = cProfile.Profile()
+            profiler.enable()
         before = counts["n"]
         signatures.clear()
         t0 = time.perf_counter()
@@ -230,6 +235,9 @@ def rank_main(args):
             times.append(t1 - t0)
             collectives.append(counts["n"] - before)
             last_signatures = dict(signatures)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.environ["BENCH_PROFILE"])
     per_step = torch.tensor(times, device=device)  # the job's step time is the slowest rank's
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
     peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024], device=device)
