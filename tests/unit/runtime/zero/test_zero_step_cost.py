@@ -227,44 +227,57 @@ class TestStepCost(DistributedTest):
 # (the fetch schedule's property: upstream receives it with the schedule's PR, not this one)
 class TestStepCostTwoForwardsPerLoss(DistributedTest):
     """ZeRO-3 with every parameter fetched, a model called twice per loss (one backward of both forwards,
-    a Siamese or contrastive loss), uniform usage: in steady state the second forward issues nothing the
-    first does not (no gradient reduction, no backward's fetches), on every rank the same."""
+    a Siamese or contrastive loss), uniform usage: in steady state the first forward, the backward and the
+    step issue exactly what they issue when the model is called once per loss (no flag read between the
+    forwards), and the second forward issues nothing the first does not (no gradient reduction, no
+    backward's fetches), on every rank the same."""
     world_size = 2
-    exec_timeout = 60
+    exec_timeout = 90
 
-    def test_second_forward(self):
+    @staticmethod
+    def _steady_counts(forwards):
         scenario = SCENARIOS["uniform"]
         engine = make_engine(scenario, zero_config(3, stage3_param_persistence_threshold=0))
         rank, warmup, steps = dist.get_rank(), 2, 3
+        phases = [f"forward {i + 1}" for i in range(forwards)] + ["backward", "step"]
         recorder = CostRecorder()
         try:
             per_step = []
             for step in range(warmup + steps):
                 x, image, route = batch(scenario, rank, step, 0, device=device())
                 recorder.counts.clear()
-                with recorder.recording("forward 1"):
-                    first = engine(x, image, route)
-                with recorder.recording("forward 2"):
-                    second = engine(x, image, route)
+                outputs = []
+                for phase in phases[:forwards]:
+                    with recorder.recording(phase):
+                        outputs.append(engine(x, image, route))
                 with recorder.recording("backward"):
-                    engine.backward((first + second) / 2)
+                    engine.backward(sum(outputs) / forwards)
                 with recorder.recording("step"):
                     engine.step()
                 if step >= warmup:
-                    per_step.append({p: recorder.of(p) for p in ("forward 1", "forward 2", "backward", "step")})
+                    per_step.append({p: recorder.of(p) for p in phases})
         finally:
             recorder.remove()
+            engine.destroy()
         steady = per_step[0]
         assert all(counts == steady for counts in per_step), f"steady steps differ: {per_step}"
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, steady)
         assert all(g == steady for g in gathered), f"ranks differ: {gathered}"
-        first, second = steady["forward 1"], steady["forward 2"]
+        return steady
+
+    def test_second_forward(self):
+        once = self._steady_counts(forwards=1)
+        twice = self._steady_counts(forwards=2)
+        for phase in ("backward", "step"):
+            assert twice[phase] == once[phase], f"{phase}: called twice {twice[phase]} vs once {once[phase]}"
+        first, second = twice["forward 1"], twice["forward 2"]
+        assert first == once["forward 1"], f"the first forward: called twice {first} vs once {once['forward 1']}"
         assert not any("reduce" in what and "all_reduce" not in what for what in second), \
             f"the second forward reduced gradients: {second}"
         assert all(n <= first.get(what, 0) for what, n in second.items()), \
             f"the second forward issued more than the first: {second} vs {first}"
-        record_for_verify(json.dumps(steady, sort_keys=True))  # fork-only
+        record_for_verify(json.dumps(twice, sort_keys=True))  # fork-only
 
 
 # fork-only: end
