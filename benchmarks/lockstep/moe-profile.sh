@@ -34,15 +34,6 @@ names = []
 for c in sys.argv[2:]:
     side, leaf, seq = c.split(":")
     names.append(f"{side}-leaf{leaf}-seq{seq}")
-for n in names:
-    for p in (0, 1):
-        f = out / f"{n}-p{p}.jsonl"
-        if f.exists():
-            d = json.loads(f.read_text().splitlines()[-1])
-            t = sorted(d["step_times"])
-            print(f"{n} profile={p}: median {1000 * t[len(t) // 2]:.1f} ms, collectives {d['collectives_per_step']}, "
-                  f"experts run {d.get('experts_run')}, routing differs {d.get('routing_differs')}, "
-                  f"switches {d.get('schedule_switches')}")
 def table(n):
     s = pstats.Stats(str(out / f"{n}.prof")).stats
     rows = {}  # file(function), without line numbers (they differ between the two sides): calls, tottime, cumtime
@@ -64,4 +55,14 @@ for a, b in (("upstream-leaf1-seq2", "fork-leaf0-seq2"), ("upstream-leaf0-seq16"
     print(f"-- fork-only functions by cumulative time ({b})")
     for k in sorted((k for k in tb if k not in ta), key=lambda k: -tb[k][2])[:15]:
         print(f"  cum {tb[k][2]:7.3f}  calls {tb[k][0]:>7}  {k[:110]}")
+print()  # the times last: a command's output is often read from its tail
+for n in names:
+    for p in (0, 1):
+        f = out / f"{n}-p{p}.jsonl"
+        if f.exists():
+            d = json.loads(f.read_text().splitlines()[-1])
+            t = sorted(d["step_times"])
+            print(f"{n} profile={p}: median {1000 * t[len(t) // 2]:.1f} ms, collectives {d['collectives_per_step']}, "
+                  f"experts run {d.get('experts_run')}, routing differs {d.get('routing_differs')}, "
+                  f"switches {d.get('schedule_switches')}")
 PY
