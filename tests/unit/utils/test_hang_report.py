@@ -337,3 +337,28 @@ def test_a_rank_that_dies(tmp_path, scenario):
         assert "no report" in rank3[0] or "may have died since" in rank3[0], verdict
     others = [line for line in verdict if not line.startswith("rank 3: ")]
     assert all("step 2" in line and "the first rank to exit" not in line for line in others), verdict
+
+
+# fork-only: begin
+# (the withdrawal comes with the lockstep-check PR's hang report follow-ups)
+def test_a_stall_report_is_withdrawn_when_progress_resumes(tmp_path):
+    """A rank that stalled past the timeout (a slow start) and then went on must not leave its report behind:
+    a later merge would read it as waiting there (and not as silent, had it died since without a word)."""
+    reporter = hang_report.HangReporter()
+    reporter.watch(str(tmp_path), timeout=0.2)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob("rank-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reports = list(tmp_path.glob("rank-*.json"))
+        assert len(reports) == 1, f"no report after a stall: {reports}"
+        report = reports[0]
+        reporter.step()  # progress
+        while report.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not report.exists(), "the stall report stayed after progress resumed"
+    finally:
+        reporter.stop()
+
+
+# fork-only: end
