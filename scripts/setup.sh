@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv with torch 2.13.0 (CPU) and the fork installed editable (`pip install -e .`), plus the
 # test tools. Idempotent and quick when nothing changed. Used by scripts/demo.sh and scripts/test.sh.
+# Another torch in another venv: LOCKSTEP_TORCH=2.14.1 LOCKSTEP_VENV=.venv-2.14 bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${LOCKSTEP_VENV:-.venv}
+TORCH=${LOCKSTEP_TORCH:-2.13.0}
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
@@ -12,14 +14,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 py="$VENV/bin/python"
 # What the installed fork was built from; reinstall when any of it changes.
-want=$(cat pyproject.toml upstream.toml requirements-test.txt scripts/lockstep_build.py patches/series \
-       $(sed 's|^|patches/|' patches/series) 2>/dev/null | sha256sum | cut -c1-16)
+want=$( (echo "torch $TORCH"; cat pyproject.toml upstream.toml requirements-test.txt scripts/lockstep_build.py patches/series \
+       $(sed 's|^|patches/|' patches/series) 2>/dev/null) | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.lockstep-installed" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing torch 2.13.0, test tools and the fork into $VENV (log: $VENV/setup.log)"
+  echo "setup: installing torch $TORCH, test tools and the fork into $VENV (log: $VENV/setup.log)"
   log="$VENV/setup.log"
   pipi() { "$py" -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1 || { tail -25 "$log"; exit 1; }; }
   : > "$log"
-  pipi torch==2.13.0
+  pipi "torch==$TORCH"
   pipi -r requirements-test.txt
   python3 scripts/fork.py sync >/dev/null
   pipi -e .
