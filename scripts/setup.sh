@@ -21,8 +21,16 @@ if [ "$(cat "$VENV/.lockstep-installed" 2>/dev/null)" != "$want" ]; then
   log="$VENV/setup.log"
   pipi() { "$py" -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1 || { tail -25 "$log"; exit 1; }; }
   : > "$log"
-  pipi "torch==$TORCH"
-  pipi -r requirements-test.txt
+  pipi "torch==$TORCH" $(case "$TORCH" in 2.[012].*) echo "numpy<2" ;; esac)
+  echo "torch==$TORCH" > "$VENV/constraints.txt"  # the test tools must not move torch
+  case "$TORCH" in 2.[012].*) echo "numpy<2" >> "$VENV/constraints.txt" ;; esac  # built against NumPy 1
+  if [ "$TORCH" = 2.13.0 ]; then
+    pipi -r requirements-test.txt -c "$VENV/constraints.txt"
+  else  # transformers and accelerate need a recent torch: their tests skip where they do not install
+    pipi -r <(grep -v -E '^(transformers|accelerate)' requirements-test.txt) -c "$VENV/constraints.txt"
+    "$py" -m pip install --disable-pip-version-check -r requirements-test.txt -c "$VENV/constraints.txt" >>"$log" 2>&1 ||
+      echo "setup: transformers/accelerate do not install beside torch $TORCH: their tests skip"
+  fi
   python3 scripts/fork.py sync >/dev/null
   pipi -e .
   echo "$want" > "$VENV/.lockstep-installed"

@@ -341,11 +341,15 @@ def test_a_rank_that_dies(tmp_path, scenario):
 
 # fork-only: begin
 # (the withdrawal comes with the lockstep-check PR's hang report follow-ups)
-def test_a_stall_report_is_withdrawn_when_progress_resumes(tmp_path):
+@pytest.mark.parametrize("flight_recorder", [False, True], ids=["report", "with_flight_recorder"])
+def test_a_stall_report_is_withdrawn_when_progress_resumes(tmp_path, monkeypatch, flight_recorder):
     """A rank that stalled past the timeout (a slow start) and then went on must not leave its report behind:
     a later merge would read it as waiting there (and not as silent, had it died since without a word). The
     progress itself withdraws it: a rank that goes on and dies within the watchdog's poll (CI's
-    ``test_a_rank_that_dies[killed]``, rank 3 slow in ``deepspeed.initialize``) must not leave it either."""
+    ``test_a_rank_that_dies[killed]``, rank 3 slow in ``deepspeed.initialize``) must not leave it either. With
+    PyTorch's flight recorder on, its dump written with the report goes too."""
+    if flight_recorder:
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
     reporter = hang_report.HangReporter()
     reporter.watch(str(tmp_path), timeout=0.2)
     try:
@@ -355,8 +359,11 @@ def test_a_stall_report_is_withdrawn_when_progress_resumes(tmp_path):
         reports = list(tmp_path.glob("rank-*.json"))
         assert len(reports) == 1, f"no report after a stall: {reports}"
         report = reports[0]
+        dumps = list(tmp_path.glob(f"{hang_report.FLIGHT_RECORDER}/rank_*"))
+        assert len(dumps) == int(flight_recorder), f"flight recorder dumps: {dumps}"
         reporter.step()  # progress: withdrawn by it, not at the watchdog's next poll (the rank may die before)
         assert not report.exists(), "the stall report stayed after progress resumed"
+        assert not any(d.exists() for d in dumps), "the flight recorder's dump stayed after progress resumed"
         reporter.step()
         assert not list(tmp_path.glob("rank-*.json")), "a no-progress report came back without a stall"
     finally:
