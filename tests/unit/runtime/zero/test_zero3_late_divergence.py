@@ -184,6 +184,7 @@ FORWARDS = {
 }
 
 
+@pytest.mark.parametrize("gas", [1, 2], ids=["gas1", "gas2"])
 @pytest.mark.parametrize("usage", sorted(FORWARDS))
 class TestForwardsPerLossDiffer(DistributedTest):
     """A model called several times per loss (one backward of the mean of its forwards, all of the same
@@ -194,24 +195,25 @@ class TestForwardsPerLossDiffer(DistributedTest):
     world_size = 2
     exec_timeout = 60
 
-    def test_lockstep(self, usage):
+    def test_lockstep(self, usage, gas):
         scenario = Scenario(usage, usage, lambda r, s, m: (True, "ab"))
-        config = _config(stage3_max_reuse_distance=0, **SHORT_PREFETCH)
+        config = _config(stage3_max_reuse_distance=0, gradient_accumulation_steps=gas, **SHORT_PREFETCH)
         engine = make_engine(scenario, config)
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
-        def loss_of(model, r, s, dev="cpu"):
-            x, image, route = batch(scenario, r, s, 0, device=dev)
+        def loss_of(model, r, s, m, dev="cpu"):
+            x, image, route = batch(scenario, r, s, m, device=dev)
             outs = [model(x, image if with_image else None, route) for with_image in FORWARDS[usage](r, s)]
             return sum(outs) / len(outs)
 
         for step in range(STEPS):
-            engine.backward(loss_of(engine, rank, step, device()))
-            engine.step()
+            for micro in range(gas):  # (with gas 2, a rank that leaves in the first micro-step votes in both)
+                engine.backward(loss_of(engine, rank, step, micro, device()))
+                engine.step()
         mine = full_params(engine.module, 3)
         ref_model = make_model(scenario)
-        ref = reference_training(ref_model, make_optimizer(ref_model, scenario), world_size, STEPS, 1,
-                                 lambda r, s, m: loss_of(ref_model, r, s))
+        ref = reference_training(ref_model, make_optimizer(ref_model, scenario), world_size, STEPS, gas,
+                                 lambda r, s, m: loss_of(ref_model, r, s, m))
         assert_lockstep(mine, ref, config, STEPS)
         _assert_replayed(engine, leaves=usage != "fewer_here")
 
