@@ -3,7 +3,8 @@
 # and .whl (hjson, pydantic and its deps for the machine's Python). Writes logs under $OUT (or /tmp/out).
 #   streams   the slow-side-stream tests on the fork, every stage and configuration
 #   upstream  the same tests (uniform usage, extra-large parameters) on vanilla 0.19.8
-#   no0001    ... and on the fork without patch 0001 (the regression the tests were written for)
+#   no0001    ... and on the fork without its first patch, zero12-extra-large-grad-stream (the regression the
+#             tests were written for)
 #   suite     the rest of the ZeRO suite on the fork (the #7844 testcase included)
 #   bench     the benchmark with parameter digests: fork vs 0.19.8 bit-identical for uniform usage
 #   again     the uniform slow-side-stream tests LOCKSTEP_GPU_REPEAT (default 4) more times
@@ -38,7 +39,7 @@ for what in ${@:-streams upstream no0001 suite bench again}; do
     upstream) step upstream env PYTHONPATH="$UPSTREAM" bash scripts/test-gpu.sh $T -k "uniform and xl" -rf --tb=line \
       -p no:benchmark ;;
     no0001)
-      rm -rf /tmp/no0001 && cp -r tree /tmp/no0001 && git -C /tmp/no0001 apply -R "$PWD"/patches/0001-*.patch
+      rm -rf /tmp/no0001 && cp -r tree /tmp/no0001 && git -C /tmp/no0001 apply -R "$PWD"/patches/zero12-extra-large-grad-stream.patch
       step no0001 env PYTHONPATH=/tmp/no0001 bash scripts/test-gpu.sh $T -k "uniform and xl" -rf --tb=line \
         -p no:benchmark ;;
     suite) step suite bash scripts/test-gpu.sh unit/runtime/zero --ignore=$T -rf --tb=short -p no:benchmark ;;

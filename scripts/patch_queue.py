@@ -6,8 +6,9 @@
 scripts/fork.py, scripts/verify.py, scripts/upstream_pr.py and the build backend; it imports none of them).
 
 Nothing of upstream is committed. upstream.toml pins the PyPI sdist by version and sha256;
-patches/series lists our patches (git format-patch files) in the order they apply; tree/ is the sdist as a
-base commit (tag `upstream`) and one commit per patch.
+patches/series lists our patches (git format-patch files, named by topic) in the order they apply; tree/ is
+the sdist as a base commit (tag `upstream`) and one commit per patch, whose message carries its file's name in a
+`Patch-Name:` trailer (added on import, removed on export: the files never hold it).
 
 Offline: LOCKSTEP_SDIST=/path/to/deepspeed-<version>.tar.gz (the hash is still checked).
 Only the standard library is used, so this runs before anything is installed.
@@ -52,6 +53,11 @@ BUILD_OUTPUTS = [
     "__pycache__/",
     "*.pyc",
 ]
+
+# In tree/'s commit messages only: the name (without .patch) of the file the commit exports to. A commit
+# without it (a new one) is named after its subject; adding the trailer picks another name.
+NAME_TRAILER = "Patch-Name"
+SLUG_LENGTH = 60
 
 FORMAT_PATCH = [
     "-c", "core.abbrev=12", "format-patch", "--no-numbered", "--zero-commit", "--no-signature", "--no-renames",
@@ -169,8 +175,8 @@ def read_series():
     names = [l.strip() for l in SERIES.read_text().splitlines()]
     names = [n for n in names if n and not n.startswith("#")]
     for n in names:
-        if not (PATCHES / n).is_file():
-            raise ForkError(f"patches/series lists {n}, which is not in patches/")
+        if not n.endswith(".patch") or not (PATCHES / n).is_file():
+            raise ForkError(f"patches/series lists {n}, which is not a .patch file in patches/")
     return names
 
 
@@ -207,16 +213,87 @@ def in_progress(tree):
     return None
 
 
+def patch_subject(text):
+    """The Subject: of a format-patch file, its folded continuation lines (RFC 5322) unfolded."""
+    header = text.split("\n\n", 1)[0]
+    m = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", header, re.M)
+    subject = re.sub(r"\n[ \t]+", " ", m.group(1)) if m else ""
+    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
+
+
+def subject_slug(subject):
+    """A file name stem for a commit that has no Patch-Name: trailer yet."""
+    slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
+    if len(slug) > SLUG_LENGTH:
+        slug = slug[:SLUG_LENGTH].rsplit("-", 1)[0]
+    return slug or "patch"
+
+
+def _message_end(lines):
+    """Indexes of the blank line that ends the mail header and of the '---' line that ends the message."""
+    header_end = lines.index(b"")
+    return header_end, lines.index(b"---", header_end) if b"---" in lines[header_end:] else None
+
+
+def with_name_trailer(data, stem):
+    """The patch (bytes) with `Patch-Name: <stem>` as the last paragraph of its message (what git am commits)."""
+    lines = data.split(b"\n")
+    header_end, sep = _message_end(lines)
+    if sep is None:
+        raise ForkError(f"{stem}.patch has no '---' line after its message")
+    trailer = [f"{NAME_TRAILER}: {stem}".encode()]
+    lines[sep:sep] = ([b""] if sep - 1 > header_end else []) + trailer
+    return b"\n".join(lines)
+
+
+def without_name_trailer(data):
+    """(stem or None, the patch without its Patch-Name: trailer): the exact inverse of with_name_trailer."""
+    lines = data.split(b"\n")
+    header_end, sep = _message_end(lines)
+    prefix = f"{NAME_TRAILER}: ".encode()
+    if sep is None:  # an empty commit (export refuses it)
+        return None, data
+    last = sep - 1
+    if last <= header_end or not lines[last].startswith(prefix):
+        return None, data
+    stem = lines[last][len(prefix):].decode().strip()
+    del lines[last]
+    if last - 1 > header_end and lines[last - 1] == b"":
+        del lines[last - 1]
+    return stem, b"\n".join(lines)
+
+
 def export_to(tree, outdir):
-    """git format-patch upstream..HEAD into outdir; returns the patch names in order."""
+    """git format-patch upstream..HEAD into outdir, each file named by its commit's Patch-Name: trailer (else
+    by its subject) and without the trailer; returns the file names in order."""
     outdir.mkdir(parents=True, exist_ok=True)
-    out = git(tree, *FORMAT_PATCH, "-o", str(outdir), f"{BASE_TAG}..HEAD").stdout
-    return [Path(line.strip()).name for line in out.splitlines() if line.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = git(tree, *FORMAT_PATCH, "-o", tmp, f"{BASE_TAG}..HEAD").stdout
+        names = []
+        for line in out.splitlines():
+            if not line.strip():
+                continue
+            data = Path(line.strip()).read_bytes()
+            stem, data = without_name_trailer(data)
+            if stem is None:
+                stem = subject_slug(patch_subject(data.decode(errors="replace")))
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", stem):
+                raise ForkError(f"{NAME_TRAILER}: {stem!r} is not a file name (letters, digits, '.', '_', '-')")
+            name = stem + ".patch"
+            if name in names:
+                raise ForkError(f"two commits export to {name}: give one of them another `{NAME_TRAILER}:` trailer "
+                                f"in {tree.name}/ (git rebase -i {BASE_TAG}, reword)")
+            (outdir / name).write_bytes(data)
+            names.append(name)
+    return names
 
 
 def apply_series(tree, names, source_dir=PATCHES):
     for n in names:
-        p = git(tree, "am", "--keep-cr", "--committer-date-is-author-date", "-q", str(source_dir / n), check=False)
+        named = tree / ".git" / "lockstep-am.patch"
+        named.write_bytes(with_name_trailer((source_dir / n).read_bytes(), n[:-len(".patch")]))
+        p = git(tree, "am", "--keep-cr", "--committer-date-is-author-date", "-q", str(named), check=False)
+        named.unlink()
         if p.returncode != 0:
             git(tree, "am", "--abort", check=False)
             detail = [l for l in (p.stderr + p.stdout).splitlines() if l.startswith(("error:", "fatal:"))]

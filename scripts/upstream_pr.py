@@ -56,13 +56,13 @@ def add_arguments(p):
 def read_prs():
     prs = tomllib.loads(PRS_FILE.read_text())["pr"]
     names = patch_queue.read_series()
-    by_number = {n[:4]: n for n in names}
+    by_topic = {n[:-len(".patch")]: n for n in names}
     for pr in prs:
         for key in ("patches", "depends"):
-            missing = [n for n in pr[key] if n not in by_number]
+            missing = [n for n in pr[key] if n not in by_topic]
             if missing:
                 raise patch_queue.ForkError(f"prs.toml: {pr['name']} names patches not in the series: {missing}")
-            pr[key] = [by_number[n] for n in pr[key]]
+            pr[key] = [by_topic[n] for n in pr[key]]
     fixed = [issue for pr in prs for issue in pr["fixes"]]
     twice = sorted({issue for issue in fixed if fixed.count(issue) > 1})
     if twice:
@@ -91,12 +91,7 @@ def author_identity(given):
     return name, email
 
 
-def patch_subject(text):
-    """The Subject: of a format-patch file, its folded continuation lines (RFC 5322) unfolded."""
-    header = text.split("\n\n", 1)[0]
-    m = re.search(r"^Subject: (.*(?:\n[ \t].*)*)", header, re.M)
-    subject = re.sub(r"\n[ \t]+", " ", m.group(1))
-    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
+patch_subject = patch_queue.patch_subject
 
 
 def signed_patch(text, name, email):
@@ -147,7 +142,7 @@ def prove_applies(pr, pin, sdist, patch_dir, tmp):
     for n in pr["depends"]:
         shutil.copy(patch_queue.PATCHES / n, dep_dir / n)
     for number, n in enumerate(pr["patches"], 1):
-        shutil.copy(patch_dir / f"{number:04d}{n[4:]}", dep_dir / n)
+        shutil.copy(patch_dir / f"{number:04d}-{n}", dep_dir / n)
     patch_queue.materialize(tree, pin, sdist, pr["depends"] + pr["patches"], source_dir=dep_dir)
     return tree
 
@@ -274,7 +269,7 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
     messages = []
     for number, n in enumerate(pr["patches"], 1):  # numbered within the PR, as `git format-patch` numbers them
         text = signed_patch((patch_queue.PATCHES / n).read_text(), name, email)
-        (folder / "patches" / f"{number:04d}{n[4:]}").write_text(text)
+        (folder / "patches" / f"{number:04d}-{n}").write_text(text)
         body = text.split("\n\n", 1)[1].split("\n---\n", 1)[0]
         messages.append((n, patch_subject(text), body.strip()))
     problems = []

@@ -71,7 +71,7 @@ def test_round_trip(repo):
 
     fork("export")
     series = (root / "patches" / "series").read_text().split()
-    assert len(series) == n_before + 1 and series[-1].endswith("-zero-a-round-trip-test-patch.patch")
+    assert len(series) == n_before + 1 and series[-1] == "zero-a-round-trip-test-patch.patch"
     exported = {p.name: p.read_bytes() for p in (root / "patches").glob("*.patch")}
     assert fork("status").returncode == 0
     assert fork("version").stdout.strip().endswith(f"+lockstep.{n_before + 1}")
@@ -84,6 +84,34 @@ def test_round_trip(repo):
     fork("export")
     assert {p.name: p.read_bytes() for p in (root / "patches").glob("*.patch")} == exported
     assert "ok:" in fork("check").stdout
+
+
+def test_a_patch_inserted_mid_series_renames_no_other(repo):
+    """Patches are named by topic, not by position: a commit inserted after the first patch exports to the name
+    its Patch-Name: trailer gives, every other file keeps its name and bytes, and no file holds the trailer."""
+    root, fork, git = repo
+    before = (root / "patches" / "series").read_text().split()
+    files = {n: (root / "patches" / n).read_bytes() for n in before}
+    fork("sync")
+    assert git("log", "-1", "--format=%(trailers:key=Patch-Name,valueonly)").strip() == before[-1][:-len(".patch")]
+    first = git("rev-list", "--reverse", "upstream..HEAD").split()[0]
+    git("checkout", "-q", "-b", "inserted", first)
+    readme = root / "tree" / "README.md"
+    readme.write_text(readme.read_text() + "\nan inserted patch\n")
+    git("commit", "-q", "-a", "-m", "docs: an inserted patch\n\nWhy it is here.\n\nPatch-Name: docs-inserted")
+    git("rebase", "-q", "--onto", "inserted", first, "lockstep")
+    fork("export")
+    after = (root / "patches" / "series").read_text().split()
+    assert after == before[:1] + ["docs-inserted.patch"] + before[1:]
+    assert {n: (root / "patches" / n).read_bytes() for n in before} == files
+    assert b"Patch-Name" not in (root / "patches" / "docs-inserted.patch").read_bytes()
+    assert "ok:" in fork("check").stdout
+
+    # two commits that would export to one file: export refuses, naming the trailer to change
+    readme.write_text(readme.read_text() + "\nagain\n")
+    git("commit", "-q", "-a", "-m", "docs: again\n\nPatch-Name: docs-inserted")
+    clash = fork("export", check=False)
+    assert clash.returncode == 1 and "two commits export to docs-inserted.patch" in clash.stderr
 
 
 def test_behind_tree_is_refreshed_not_refused(repo):

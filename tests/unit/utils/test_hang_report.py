@@ -333,7 +333,12 @@ def test_a_rank_that_dies(tmp_path, scenario):
     assert len(rank3) == 1, verdict
     if scenario == "loader":
         assert rank3[0].startswith("rank 3: exited: RuntimeError: the data loader failed on this rank (at worker.py:")
-        assert "step 2" in rank3[0] and "the first rank to exit" in rank3[0], verdict
+        assert "step 2" in rank3[0], verdict
+        others = [line for line in verdict if not line.startswith("rank 3: ")]
+        if any(": exited: " in line for line in others):  # gloo failed the survivors' collective after rank 3 left
+            assert "the first rank to exit" in rank3[0], verdict
+        else:  # they still wait in it (as over NCCL; gloo of torch 2.4 waits past the report's timeout)
+            assert len(others) == 1 and others[0].startswith("ranks 0, 1, 2: all_reduce "), verdict
     elif scenario == "aborted":
         assert rank3[0].startswith("rank 3: died: Aborted (") and "the model at worker.py:" in rank3[0], verdict
     else:  # no word from rank 3 since its start
