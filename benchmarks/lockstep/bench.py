@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 LOCKSTEP_STAGES = (1, 2, 3)  # stages whose collectives the fork keeps rank-invariant
 
 
-def run_once(python, case, args, out):
+def run_once(python, case, args, out, collective_log=False):
     cmd = [
         str(python),
         str(ROOT / "benchmarks" / "lockstep" / "worker.py"), "--out", out, "--world-size",
@@ -60,6 +60,8 @@ def run_once(python, case, args, out):
         cmd += ["--persistence-threshold", str(args.persistence_threshold)]
     if args.prefetch_bucket_size is not None:
         cmd += ["--prefetch-bucket-size", str(args.prefetch_bucket_size)]
+    if collective_log:
+        cmd += ["--collective-log", "1"]
     if args.model == "moe":
         cmd += ["--model", "moe", "--experts", str(args.experts), "--leaf", str(int(case["declaration"] == "leaf"))]
     # one JIT-extensions dir per interpreter, kept across runs (the harness would build a fresh one each time)
@@ -89,6 +91,8 @@ def summarize(lines):
     if "routing_differs" in lines[0]:  # --model moe
         summary["routing_differs"] = [l["routing_differs"] for l in lines]
         summary["experts_run"] = [l["experts_run"] for l in lines]
+    if lines[0].get("collective_log_s"):
+        summary["collective_log_s"] = statistics.median(s for l in lines for s in l["collective_log_s"])
     if "schedule_switches" in lines[0]:
         summary["schedule_switches"] = [l["schedule_switches"] for l in lines]
     return summary
@@ -160,6 +164,12 @@ def markdown(results, args, machine):
             lines.append(f"- ZeRO-{stage}: fork without declaration / upstream with leaf modules: step time "
                          f"{none['median_step_s'] / base['median_step_s']:.3f}, memory "
                          f"{none[mem_key] / base[mem_key]:.3f}; final parameters {same}")
+    for r in results:
+        if "collective_log_s" in r["fork"]:
+            spent, step = r["fork"]["collective_log_s"], r["fork"]["median_step_s"]
+            lines.append(f"- ZeRO-{r['stage']} {label(r)}: the collective log and the lockstep check took "
+                         f"{spent * 1e3:.3f} ms of host time per step (median over steps, the slowest rank's), "
+                         f"{spent / step:.2%} of the fork's step")
     for r in results:
         if "routing_differs" in r["fork"]:
             first = sum(d[0] for d in r["fork"]["routing_differs"])
@@ -256,6 +266,10 @@ def main():
                    "enough tokens per rank, else 0.19.8 hangs until the deadline)")
     p.add_argument("--fork-python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--upstream-python", help="default: the venv scripts/fork.py verify uses (created if missing)")
+    p.add_argument("--collective-log",
+                   action="store_true",
+                   help="the fork side runs with the hang report's collective log and the lockstep check on, and the "
+                   "host time spent in them is counted (with --upstream-python set to the fork's: on vs off)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "lockstep" / "out"))
     args = p.parse_args()
     if args.model == "moe" and args.stages != [3]:
@@ -291,7 +305,7 @@ def main():
                     order = sides if rep % 2 == 0 else list(reversed(sides))
                     for side, python in order:
                         print(f"bench: ZeRO-{stage} {label(case)} rep {rep + 1}/{args.reps} {side}", file=sys.stderr)
-                        run_once(python, case, args, files[side])
+                        run_once(python, case, args, files[side], args.collective_log and side == "fork")
                 entry = dict(case)
                 for side, _ in sides:
                     entry[side] = summarize([json.loads(l) for l in Path(files[side]).read_text().splitlines()])

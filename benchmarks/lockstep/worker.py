@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,6 +139,35 @@ def build_model(args):
     return Model(args.hidden, args.layers, args.registration == "reversed", MoEBlock if args.model == "moe" else Block)
 
 
+def time_the_collective_log():
+    """``--collective-log``: the hang report's collective log and the lockstep check are on (``main`` set their
+    environment); count the host time spent in them: the log's entry and exit around each collective and the
+    check's digest at the step. Returns a dict: under 0 the seconds so far, and per function its seconds and
+    calls (the initialization's collectives included). The timer adds a frame to each collective's stack walk:
+    what it counts is a slight overestimate."""
+    from deepspeed.utils import hang_report
+    spent = {0: 0.0}
+
+    def timed(fn):
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds = time.perf_counter() - t0
+                spent[0] += seconds
+                spent[fn.__name__] = spent.get(fn.__name__, 0.0) + seconds
+                spent["n_" + fn.__name__] = spent.get("n_" + fn.__name__, 0) + 1
+
+        return wrapper
+
+    for cls, name in ((hang_report.HangReporter, "begin"), (hang_report.HangReporter, "end"),
+                      (hang_report.StepFingerprint, "take")):
+        setattr(cls, name, timed(getattr(cls, name)))
+    return spent
+
+
 def rank_main(args):
     import collections
     import torch
@@ -165,6 +195,8 @@ def rank_main(args):
             return __fn(*a, **k)
 
         setattr(backend, name, counted)
+
+    log_seconds = time_the_collective_log() if args.collective_log else None
 
     rank = dist.get_rank()
     device = get_accelerator().current_device_name()
@@ -208,7 +240,7 @@ def rank_main(args):
             return True
         return (rank + step) % 2 == 0  # divergent: half the ranks have an image batch, alternating
 
-    times, collectives, routes, last_signatures = [], [], [], {}
+    times, collectives, routes, last_signatures, log_times = [], [], [], {}, []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     profiler = None
@@ -221,6 +253,7 @@ def rank_main(args):
             profiler.enable()
         before = counts["n"]
         signatures.clear()
+        log_before = log_seconds[0] if log_seconds else 0.0
         t0 = time.perf_counter()
         if args.model == "moe":
             loss = engine(tokens[step])
@@ -234,12 +267,17 @@ def rank_main(args):
         if step >= args.warmup:
             times.append(t1 - t0)
             collectives.append(counts["n"] - before)
+            if log_seconds:
+                log_times.append(log_seconds[0] - log_before)
             last_signatures = dict(signatures)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.environ["BENCH_PROFILE"])
     per_step = torch.tensor(times, device=device)  # the job's step time is the slowest rank's
     dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    # the host time this rank spent in the collective log and the lockstep check, per timed step (the slowest rank's)
+    log_per_step = torch.tensor(log_times or [0.0], device=device)
+    dist.all_reduce(log_per_step, op=dist.ReduceOp.MAX)
     peak_rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024], device=device)
     dist.all_reduce(peak_rss, op=dist.ReduceOp.MAX)
     peak_cuda = float(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
@@ -258,6 +296,11 @@ def rank_main(args):
             "peak_rss": peak_rss.item(),
             "peak_cuda_allocated": peak_cuda,
             "collectives_per_step": sorted(set(collectives)),
+            "collective_log_s": log_per_step.tolist() if args.collective_log else None,
+            "collective_log_parts": {
+                k: v
+                for k, v in log_seconds.items() if k
+            } if args.collective_log else None,
             "param_digest": digest if len(set(digests)) == 1 else "ranks differ: " + ",".join(digests),
             "param_sum": flat.sum().item(),
             # the last timed step's torch.distributed collectives, on every group: "op backendxsize elements"
@@ -302,7 +345,16 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--deadline", type=float, default=600)
+    p.add_argument(
+        "--collective-log",
+        type=int,
+        default=0,
+        help="the fork: the hang report's collective log and the lockstep check on, their host time counted")
     args = p.parse_args()
+    if args.collective_log:
+        os.environ.update(DS_HANG_REPORT_DIR=tempfile.mkdtemp(prefix="bench-hang-report-"),
+                          DS_HANG_REPORT_TIMEOUT="3600",
+                          DS_LOCKSTEP_CHECK="1")
     from unit.common import launch
     result = launch(rank_main, args.world_size, kwargs={"args": args}, timeout=args.deadline)
     if result.outcome != "passed":

@@ -34,6 +34,7 @@ import torch
 
 from deepspeed.utils import hang_report
 # fork-only: begin
+import inspect
 import re
 
 from deepspeed.runtime.zero.fetch_schedule import FWD_POST, FWD_PRE, FetchSchedule
@@ -265,6 +266,52 @@ def test_zero3_forward_collective_on_one_rank(tmp_path):
     state = json.loads((reports / "rank-0.json").read_text())["fetch_schedule"]
     assert state["next"][:2] == ["end of the forward of 2", "forward of 3"], state
     assert state["left"] is False and state["switches"] == 0 and state["forwards"] == 1, state
+
+
+def test_the_collective_log_names_each_calling_line():
+    """The collective log's entry on one process: the line that issued a collective (two call sites of one
+    function stay two lines; a site seen again keeps its line), its tensors and group, and whether the model
+    issued it."""
+    reporter = hang_report.HangReporter()
+    signature = inspect.signature(lambda tensor, group=None, async_op=False: None)
+
+    def all_reduce(tensor, group=None):  # stands in for deepspeed.comm's wrapper: the caller is above it
+        return reporter.begin("all_reduce", signature, (tensor, ), {"group": group})
+
+    first_line = inspect.currentframe().f_lineno + 3
+    entries = []
+    for _ in range(2):
+        entries.append(all_reduce(torch.ones(2, 3)))
+        entries.append(all_reduce(torch.ones(4, dtype=torch.bfloat16)))
+    where = "test_hang_report.py:{} in test_the_collective_log_names_each_calling_line"
+    assert [e["issued_at"] for e in entries] == [where.format(first_line), where.format(first_line + 1)] * 2
+    assert [e["model_at"] for e in entries] == [e["issued_at"] for e in entries]  # the model's own collective
+    assert all(e["by_model"] for e in entries)
+    assert [e["tensors"] for e in entries] == [[[[2, 3], "torch.float32"]], [[[4], "torch.bfloat16"]]] * 2
+    assert [e["index"] for e in entries] == [0, 1, 2, 3]
+    reporter.end(entries[-1])
+    json.dumps(entries)
+
+
+def test_step_fingerprint_digest():
+    """The lockstep check's digest of a step: equal for the same collectives, whatever the step before was,
+    different when two collectives swap places or one is missing; the first ``keep`` entries are kept."""
+
+    def entry(op, n):
+        return dict(op=op, group=[0, 1], tensors=[[[n], "torch.float32"]], model_at=None, by_model=False)
+
+    steps = [[entry("all_reduce", n) for n in range(5)]]
+    steps.append(steps[0][:2] + [steps[0][3], steps[0][2]] + steps[0][4:])  # two swapped
+    steps.append(steps[0][:-1])  # one missing
+    fingerprint = hang_report.StepFingerprint(keep=2)
+    digests = []
+    for step in steps + steps[:1]:
+        for e in step:
+            fingerprint.add(e)
+        digest, kept, count = fingerprint.take()
+        assert (kept, count) == (step[:2], len(step))
+        digests.append(digest)
+    assert digests[0] == digests[3] and len(set(digests[:3])) == 3, digests
 
 
 class _Participant:
