@@ -23,9 +23,20 @@ def _config(stage, name):
                        **options)
 
 
-@pytest.mark.parametrize("config", sorted(ZERO12_CONFIGS))
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("scenario", DIVERGENT)
+def _covering_cases():
+    """(scenario, stage, configuration): every scenario with every configuration, and every scenario and every
+    configuration on both stages (stage 1 takes two scenarios of each configuration, stage 2 the other three,
+    rotating with the configuration), 70 cases; the rest of the product (70 more) under ``-m nightly``."""
+    cases = []
+    for i, config in enumerate(sorted(ZERO12_CONFIGS)):
+        for k, scenario in enumerate(DIVERGENT):
+            stage = 1 if (k - i) % len(DIVERGENT) < 2 else 2
+            cases.append(pytest.param(scenario, stage, config))
+            cases.append(pytest.param(scenario, 3 - stage, config, marks=pytest.mark.nightly))
+    return cases
+
+
+@pytest.mark.parametrize("scenario,stage,config", _covering_cases())
 class TestRankDivergentUsage(DistributedTest):
     world_size = 2
     exec_timeout = 45
