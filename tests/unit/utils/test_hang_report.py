@@ -191,8 +191,13 @@ def test_user_collective_on_two_ranks(tmp_path, world_size):
     reports, line = _run_until_reported(tmp_path, "user_collective", world_size, world_size)
     verdict = hang_report.merge(reports)
     assert len(verdict) == 2, verdict
-    assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce called in the model at worker.py:"
-                                 ) and f"worker.py:{line}" in verdict[0]
+    assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce ") and \
+        f"called in the model at worker.py:{line} " in verdict[0], verdict
+    # fork-only: begin
+    # the model's collective bypasses deepspeed.comm; the log has it all the same (hang-report-torch-collectives)
+    assert verdict[0].startswith(f"ranks 0, 1: in the torch collective all_reduce [4 torch.float32] on ranks "
+                                 f"{list(range(world_size))} called in the model"), verdict
+    # fork-only: end
     assert "step 2" in verdict[0] and "not in DeepSpeed" in verdict[0], verdict
     others = ", ".join(map(str, range(2, world_size)))
     assert verdict[1].startswith(f"ranks {others}: all_reduce ")
@@ -217,8 +222,9 @@ def test_collective_in_backward_on_two_ranks(tmp_path):
     reports, _ = _run_until_reported(tmp_path, "backward_collective", WORLD_SIZE)
     verdict = hang_report.merge(reports)
     assert len(verdict) == 2, verdict
-    assert verdict[0].startswith("ranks 0, 1: in the torch collective all_reduce called in the model at worker.py:"
-                                 f"{_line_of('BACKWARD COLLECTIVE')}"), verdict
+    assert verdict[0].startswith(
+        "ranks 0, 1: in the torch collective all_reduce [4 torch.float32] on ranks "
+        f"[0, 1, 2, 3] called in the model at worker.py:{_line_of('BACKWARD COLLECTIVE')}"), verdict
     assert verdict[0].endswith("; ZeRO's reduction waits for 2 gradients (0.bias, 0.weight), 0 of 1 buckets "
                                "launched"), verdict
     assert verdict[1].startswith("ranks 2, 3: all_reduce ") and "waits for" not in verdict[1], verdict
@@ -256,8 +262,8 @@ def test_zero3_forward_collective_on_one_rank(tmp_path):
     reports, _ = _run_until_reported(tmp_path, "zero3_forward_collective", 2, world_size=2)
     verdict = hang_report.merge(reports)
     assert len(verdict) == 2, verdict
-    assert verdict[0].startswith("rank 0: in the torch collective all_reduce called in the model at worker.py:"
-                                 f"{_line_of('FORWARD COLLECTIVE')}"), verdict
+    assert verdict[0].startswith("rank 0: in the torch collective all_reduce [4 torch.float32] on ranks [0, 1] "
+                                 f"called in the model at worker.py:{_line_of('FORWARD COLLECTIVE')}"), verdict
     assert re.search(r"; ZeRO-3 fetch schedule: replaying, event \d+ of \d+, next: end of the forward of 2$",
                      verdict[0]), verdict
     assert verdict[1].startswith("rank 1: reduce_scatter_tensor ") and "; ZeRO-3 fetch schedule: replaying, event " \
@@ -291,6 +297,44 @@ def test_the_collective_log_names_each_calling_line():
     assert [e["index"] for e in entries] == [0, 1, 2, 3]
     reporter.end(entries[-1])
     json.dumps(entries)
+
+
+def test_torch_collectives_are_logged_once(monkeypatch):
+    """While a reporter runs, a collective the model calls through torch's own namespace is logged (marked so,
+    with its calling line); the calls ``deepspeed.comm`` makes into torch, logged by ``deepspeed.comm``, are not
+    logged twice; ``stop`` puts torch's function back."""
+    from torch import distributed as torch_dist
+    calls = []
+
+    def torch_all_reduce(tensor, op=None, group=None, async_op=False):  # torch's, without a process group
+        calls.append(list(tensor.shape))
+
+    monkeypatch.setattr(torch_dist, "all_reduce", torch_all_reduce)
+    reporter = hang_report.HangReporter()
+    reporter.log_torch_collectives()
+    signature = inspect.signature(torch_all_reduce)
+
+    def comm_all_reduce(tensor):  # stands in for deepspeed.comm: logs the op, then calls torch
+        entry = reporter.begin("all_reduce", signature, (tensor, ), {})
+        try:
+            return torch_dist.all_reduce(tensor)
+        finally:
+            reporter.end(entry)
+
+    try:
+        line = inspect.currentframe().f_lineno + 1
+        torch_dist.all_reduce(torch.ones(3))
+        comm_all_reduce(torch.ones(5))
+        torch_dist.all_reduce(torch.ones(7), group=None)
+    finally:
+        reporter.stop()
+    assert torch_dist.all_reduce is torch_all_reduce and calls == [[3], [5], [7]]
+    log = list(reporter._log)
+    assert [(e["op"], e["via"], e["tensors"][0][0]) for e in log] == [("all_reduce", "torch", [3]),
+                                                                      ("all_reduce", None, [5]),
+                                                                      ("all_reduce", "torch", [7])]
+    assert log[0]["issued_at"] == f"test_hang_report.py:{line} in test_torch_collectives_are_logged_once", log[0]
+    assert log[0]["by_model"] and log[0]["model_at"] == log[0]["issued_at"]
 
 
 def test_step_fingerprint_digest():

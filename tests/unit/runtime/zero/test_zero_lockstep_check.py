@@ -6,8 +6,9 @@
 collectives since the last optimizer step are compared at the step, on the step agreement.
 
 - A model that issues its own all-reduce from one place on ranks 0 and 1 and from another place on ranks
-  2 and 3 (the same size: nothing hangs, and the sums silently mix two quantities): at that step every rank
-  raises the same error naming both places and the ranks on each side.
+  2 and 3 (the same size: nothing hangs, and the sums silently mix two quantities), through
+  ``deepspeed.comm`` or torch's own ``all_reduce``: at that step every rank raises the same error naming
+  both places and the ranks on each side.
 - The check on some ranks only (it widens the step agreement, so the ranks' step collectives would differ):
   every rank raises the same error at initialize.
 - Uniform usage under ZeRO-1/2/3, the check on: no error, and the parameters equal the plain-PyTorch
@@ -18,6 +19,7 @@ import os
 
 import pytest
 import torch
+from torch import distributed as torch_dist  # the model's own collectives, bypassing deepspeed.comm
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.agreement import RankDisagreementError
@@ -41,17 +43,17 @@ def lockstep_check(setting="1"):
         hang_report.stop()
 
 
-def log_the_loss(loss):
+def log_the_loss(loss, comm):
     """The model's own collective, here on ranks 0 and 1 ..."""
     t = loss.detach().reshape(1).repeat(4)
-    dist.all_reduce(t)
+    comm.all_reduce(t)
     return t
 
 
-def sum_a_metric(loss):
+def sum_a_metric(loss, comm):
     """... and another one of the same size on ranks 2 and 3."""
     t = torch.zeros(4, device=loss.device)
-    dist.all_reduce(t)
+    comm.all_reduce(t)
     return t
 
 
@@ -59,8 +61,11 @@ class TestModelCollectivesDiffer(DistributedTest):
     world_size = 4
     exec_timeout = 90
 
-    @pytest.mark.parametrize("stage, turned_on_by", [(2, "environment"), (3, "config")])
-    def test_every_rank_raises_naming_both_places(self, stage, turned_on_by):
+    @pytest.mark.parametrize("stage, turned_on_by, via", [(2, "environment", "deepspeed.comm"),
+                                                          (3, "config", "deepspeed.comm"), (2, "config", "torch"),
+                                                          (3, "environment", "torch")])
+    def test_every_rank_raises_naming_both_places(self, stage, turned_on_by, via):
+        comm = dist if via == "deepspeed.comm" else torch_dist
         scenario = SCENARIOS["uniform"]
         rank = dist.get_rank()
         config = zero_config(stage)
@@ -72,7 +77,7 @@ class TestModelCollectivesDiffer(DistributedTest):
                 x, image, route = batch(scenario, rank, step, 0, device=device())
                 loss = engine(x, image, route)
                 if step == 1:
-                    (log_the_loss if rank < 2 else sum_a_metric)(loss)
+                    (log_the_loss if rank < 2 else sum_a_metric)(loss, comm)
                 engine.backward(loss)
                 if step == 0:
                     engine.step()
