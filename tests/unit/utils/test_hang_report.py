@@ -201,7 +201,7 @@ def test_user_collective_on_two_ranks(tmp_path, world_size):
     assert "step 2" in verdict[0] and "not in DeepSpeed" in verdict[0], verdict
     others = ", ".join(map(str, range(2, world_size)))
     assert verdict[1].startswith(f"ranks {others}: all_reduce ")
-    assert f"on ranks {list(range(world_size))} issued at stage_1_and_2.py" in verdict[1], verdict
+    assert f"on ranks {list(range(world_size))} " in verdict[1] and " issued at stage_1_and_2.py" in verdict[1], verdict
     assert "(backward)" in verdict[1] and "step 2" in verdict[1], verdict
     # what a user runs: the same verdict on stdout
     command = subprocess.run([sys.executable, "-m", "deepspeed.utils.hang_report",
@@ -228,6 +228,9 @@ def test_collective_in_backward_on_two_ranks(tmp_path):
     assert verdict[0].endswith("; ZeRO's reduction waits for 2 gradients (0.bias, 0.weight), 0 of 1 buckets "
                                "launched"), verdict
     assert verdict[1].startswith("ranks 2, 3: all_reduce ") and "waits for" not in verdict[1], verdict
+    # the bucket's parameters (hang-report-carried-params)
+    assert re.search(r" on ranks \[0, 1, 2, 3\] for (\d\.(weight|bias), ){3}\d\.(weight|bias) \(4 parameters\) ",
+                     verdict[1]), verdict
 
 
 @needs_flight_recorder
@@ -269,6 +272,11 @@ def test_zero3_forward_collective_on_one_rank(tmp_path):
     assert verdict[1].startswith("rank 1: reduce_scatter_tensor ") and "; ZeRO-3 fetch schedule: replaying, event " \
         in verdict[1], verdict
     assert " issued at nvtx.py" not in verdict[1], verdict  # where ZeRO-3 issued it, not its profiling wrapper
+    # the parameters of the bucket, and of the last fetch (hang-report-carried-params)
+    assert re.search(r" on ranks \[0, 1\] for (\d\.(weight|bias), ){3}\d\.(weight|bias) \(4 parameters\) ",
+                     verdict[1]), verdict
+    assert re.search(r"the last DeepSpeed collective: all_gather_into_tensor for \d\.(weight|bias)",
+                     verdict[0]), verdict
     state = json.loads((reports / "rank-0.json").read_text())["fetch_schedule"]
     assert state["next"][:2] == ["end of the forward of 2", "forward of 3"], state
     assert state["left"] is False and state["switches"] == 0 and state["forwards"] == 1, state
@@ -356,6 +364,52 @@ def test_step_fingerprint_digest():
         assert (kept, count) == (step[:2], len(step))
         digests.append(digest)
     assert digests[0] == digests[3] and len(set(digests[:3])) == 3, digests
+
+
+def test_collectives_carry_their_parameters(monkeypatch):
+    """A collective issued inside ``carrying`` (a ZeRO-3 fetch, a gradient bucket) names the parameters it
+    carries: how many, and the first three and the last, by their names in the engine's module, in a
+    rank-invariant order (by ``ds_id`` for a set); a nested ``carrying`` gives way to the outer one when it
+    ends. The lockstep check's digest differs when two collectives of the same sizes carry different
+    parameters, and the first difference names them."""
+    module = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(3)])
+    params = list(module.parameters())  # 0.weight, 0.bias, 1.weight, ..., 2.bias
+    for ds_id, param in enumerate(params):
+        param.ds_id = ds_id
+    reporter = hang_report.HangReporter()
+    reporter.engine = type("Engine", (), {"module": module})()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
+    signature = inspect.signature(lambda tensor, group=None: None)
+
+    def reduce(tensor):
+        return reporter.begin("all_reduce", signature, (tensor, ), {})
+
+    entries = [reduce(torch.ones(2))]
+    with hang_report.carrying([(0, p) for p in params]):  # a bucket's (group index, parameter)
+        entries.append(reduce(torch.ones(2)))
+        with hang_report.carrying({params[3], params[1]}, ordered=False):  # a fetch of a set
+            entries.append(reduce(torch.ones(2)))
+        entries.append(reduce(torch.ones(2)))
+    entries.append(reduce(torch.ones(2)))
+    for e in entries:
+        reporter.end(e)
+    everything = [6, "0.weight", "0.bias", "1.weight", "2.bias"]
+    assert [e["params"] for e in entries] == [None, everything, [2, "0.bias", "1.bias"], everything, None]
+    assert hang_report._params(entries[1]) == " for 0.weight, 0.bias, 1.weight, ..., 2.bias (6 parameters)"
+
+    fingerprint = hang_report.StepFingerprint()
+    digests, kept = [], []
+    for carried in (entries[1], entries[2]):  # the same op and sizes, other parameters
+        fingerprint.add(entries[0])
+        fingerprint.add(carried)
+        digest, step, count = fingerprint.take()
+        digests.append(digest)
+        kept.append((step, count))
+    assert digests[0] != digests[1]
+    difference = hang_report.first_difference(kept)
+    assert difference.startswith("collective #1 of the step differs: rank 0: all_reduce [2 torch.float32] on ranks "
+                                 "None for 0.weight, 0.bias, 1.weight, ..., 2.bias (6 parameters)"), difference
+    assert "rank 1: all_reduce [2 torch.float32] on ranks None for 0.bias, 1.bias (2 parameters)" in difference
 
 
 class _Participant:

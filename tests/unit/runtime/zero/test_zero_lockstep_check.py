@@ -12,7 +12,10 @@ collectives since the last optimizer step are compared at the step, on the step 
 - The check on some ranks only (it widens the step agreement, so the ranks' step collectives would differ):
   every rank raises the same error at initialize.
 - Uniform usage under ZeRO-1/2/3, the check on: no error, and the parameters equal the plain-PyTorch
-  reference (the check adds no collective of its own, only a digest on the step's norm all-reduce)."""
+  reference (the check adds no collective of its own, only a digest on the step's norm all-reduce).
+- Data-parallel peers that issue the same collective on different groups of the same shape (ZeRO++ hpZ's
+  secondary groups; a model's own all-reduce on tensor-parallel-like pairs of ranks, [0, 1] and [2, 3]):
+  no error, and the parameters equal the reference."""
 
 import contextlib
 import os
@@ -22,6 +25,7 @@ import torch
 from torch import distributed as torch_dist  # the model's own collectives, bypassing deepspeed.comm
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.agreement import RankDisagreementError
 from deepspeed.utils import hang_report
 from unit.common import DistributedTest
@@ -130,4 +134,31 @@ class TestUniformUsageWithTheCheck(DistributedTest):
                 engine.backward(engine(x, image, route))
                 engine.step()
             mine = full_params(engine.module, stage)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
+@pytest.mark.parametrize("groups", ["hpz", "model_pairs"])
+class TestGroupsOfTheSameShape(DistributedTest):
+    world_size = 4
+    exec_timeout = 90
+
+    def test_no_error_and_the_same_numbers(self, groups):
+        if groups == "hpz" and get_accelerator().device_name() == "cuda" and dist.get_backend() == "gloo":
+            pytest.skip("ranks sharing a GPU over gloo: upstream's hpZ group creation calls perform_nocolor_split, "
+                        "which a gloo process group of CUDA torch does not have")
+        scenario = SCENARIOS["uniform"]
+        rank = dist.get_rank()
+        config = (zero_config(3, zero_hpz_partition_size=2, stage3_param_persistence_threshold=0)
+                  if groups == "hpz" else zero_config(2))
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        with lockstep_check():
+            engine = make_engine(scenario, config)
+            for step in range(STEPS):
+                x, image, route = batch(scenario, rank, step, 0, device=device())
+                loss = engine(x, image, route)
+                if groups == "model_pairs":  # a metric summed within each pair, as tensor parallelism would
+                    dist.all_reduce(loss.detach().reshape(1).repeat(4), group=pairs[rank // 2])
+                engine.backward(loss)
+                engine.step()
+            mine = full_params(engine.module, 3 if groups == "hpz" else 2)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
