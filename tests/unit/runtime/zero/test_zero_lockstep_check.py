@@ -15,7 +15,9 @@ collectives since the last optimizer step are compared at the step, on the step 
   reference (the check adds no collective of its own, only a digest on the step's norm all-reduce).
 - Data-parallel peers that issue the same collective on different groups of the same shape (ZeRO++ hpZ's
   secondary groups; a model's own all-reduce on tensor-parallel-like pairs of ranks, [0, 1] and [2, 3]):
-  no error, and the parameters equal the reference."""
+  no error, and the parameters equal the reference.
+- Ranks that pass the same barrier from two lines (rank 0 first does some work, the others wait for it): no
+  error."""
 
 import contextlib
 import os
@@ -134,6 +136,31 @@ class TestUniformUsageWithTheCheck(DistributedTest):
                 engine.backward(engine(x, image, route))
                 engine.step()
             mine = full_params(engine.module, stage)
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
+class TestMainProcessFirst(DistributedTest):
+    """Rank 0 does some work, then waits in a barrier; the other ranks wait in the barrier first, then do the work
+    (accelerate's ``main_process_first``, through torch's own barrier): the same collectives, from two lines. No
+    error, and the parameters equal the reference."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_no_error_and_the_same_numbers(self):
+        scenario = SCENARIOS["uniform"]
+        rank = dist.get_rank()
+        config = zero_config(2)
+        with lockstep_check():
+            engine = make_engine(scenario, config)
+            for step in range(STEPS):
+                if rank != 0:
+                    torch_dist.barrier()
+                x, image, route = batch(scenario, rank, step, 0, device=device())  # the work
+                if rank == 0:
+                    torch_dist.barrier()
+                engine.backward(engine(x, image, route))
+                engine.step()
+            mine = full_params(engine.module, 2)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
 
 
