@@ -310,7 +310,7 @@ def test_the_collective_log_names_each_calling_line():
 def test_torch_collectives_are_logged_once(monkeypatch):
     """While a reporter runs, a collective the model calls through torch's own namespace is logged (marked so,
     with its calling line); the calls ``deepspeed.comm`` makes into torch, logged by ``deepspeed.comm``, are not
-    logged twice; ``stop`` puts torch's function back."""
+    logged twice; ``stop`` puts torch's function back, and a wrapper taken before logs nothing after it."""
     from torch import distributed as torch_dist
     calls = []
 
@@ -319,7 +319,9 @@ def test_torch_collectives_are_logged_once(monkeypatch):
 
     monkeypatch.setattr(torch_dist, "all_reduce", torch_all_reduce)
     reporter = hang_report.HangReporter()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
     reporter.log_torch_collectives()
+    wrapped = torch_dist.all_reduce  # as deepspeed.comm's backend takes it while a reporter runs
     signature = inspect.signature(torch_all_reduce)
 
     def comm_all_reduce(tensor):  # stands in for deepspeed.comm: logs the op, then calls torch
@@ -336,7 +338,9 @@ def test_torch_collectives_are_logged_once(monkeypatch):
         torch_dist.all_reduce(torch.ones(7), group=None)
     finally:
         reporter.stop()
-    assert torch_dist.all_reduce is torch_all_reduce and calls == [[3], [5], [7]]
+    monkeypatch.setattr(hang_report, "_reporter", None)
+    wrapped(torch.ones(9))  # after stop: passes through, logs nothing
+    assert torch_dist.all_reduce is torch_all_reduce and calls == [[3], [5], [7], [9]]
     log = list(reporter._log)
     assert [(e["op"], e["via"], e["tensors"][0][0]) for e in log] == [("all_reduce", "torch", [3]),
                                                                       ("all_reduce", None, [5]),
