@@ -189,3 +189,30 @@ class TestGroupsOfTheSameShape(DistributedTest):
                 engine.step()
             mine = full_params(engine.module, 3 if groups == "hpz" else 2)
         assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), config, STEPS)
+
+
+class TestPersistentParametersNamed(DistributedTest):
+    """ZeRO-3 with DeepSpeed's default persistence threshold (the small parameters stay resident): the gather of
+    the persistent parameters after each optimizer step names them in the collective log, the same on every
+    rank, as the fetches and the gradient buckets do."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_the_gather_after_the_step_names_them(self):
+        scenario = SCENARIOS["uniform"]
+        with lockstep_check():
+            engine = make_engine(scenario, zero_config(3))
+            for step in range(2):
+                x, image, route = batch(scenario, dist.get_rank(), step, 0, device=device())
+                engine.backward(engine(x, image, route))
+                engine.step()
+            persistent = engine.optimizer.persistent_parameters
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            carried = [e["params"] for e in hang_report.active()._log if e.get("params")]
+        assert persistent, "the model has no persistent parameter"
+        expected = [names[id(p)] for p in persistent]
+        expected = [len(persistent)] + (expected if len(expected) <= 4 else expected[:3] + expected[-1:])
+        assert carried and carried[-1] == expected, (carried[-3:], expected)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, carried[-1])
+        assert all(g == expected for g in gathered), gathered
