@@ -334,7 +334,9 @@ def _kill(procs):
         p.join(timeout=10)
 
 
-def _cleanup_shm(port):
+def cleanup_shm(port):
+    """Unlink the shared-memory buffers of DeepSpeed's CPU all-reduce of the job on ``port``: killed ranks
+    leave them behind (69 MB each, in RAM)."""
     for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
         try:
             f.unlink()
@@ -431,7 +433,7 @@ def launch(func: Callable,
         o.stack = _read(workdir / f"rank{r}.stack")
         o.log = _read(workdir / f"rank{r}.log", limit=60)
         o.collective = collective_from_stack(o.stack)
-    _cleanup_shm(port)
+    cleanup_shm(port)
     result = LaunchResult(world_size=world_size,
                           deadline=timeout,
                           elapsed=time.time() - start,

@@ -216,3 +216,94 @@ class TestPersistentParametersNamed(DistributedTest):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, carried[-1])
         assert all(g == expected for g in gathered), gathered
+
+
+class TestPhaseOfZeroCollectives(DistributedTest):
+    """The collective log records the phase of each collective ZeRO-3 issues (its fetches in the forward, its
+    gradient reductions in the backward, the gather of its persistent parameters in the optimizer step), as
+    the engine sets it: the log does not walk a ZeRO collective's stack up to the engine."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_each_collective_has_its_phase(self):
+        scenario = SCENARIOS["uniform"]
+        with lockstep_check():
+            engine = make_engine(scenario, zero_config(3, stage3_param_persistence_threshold=0))  # every one fetched
+            reporter = hang_report.active()
+
+            def phases_of(run):
+                """The phases of the collectives ZeRO issues while ``run`` runs."""
+                before = reporter._count
+                run()
+                new = list(reporter._log)[-(reporter._count - before):] if reporter._count > before else []
+                return sorted({str(e["phase"]) for e in new if not e["by_model"]})
+
+            seen = []
+            for step in range(2):
+                x, image, route = batch(scenario, dist.get_rank(), step, 0, device=device())
+                loss = []
+                seen.append(("forward", phases_of(lambda: loss.append(engine(x, image, route)))))
+                seen.append(("backward", phases_of(lambda: engine.backward(loss[0]))))
+                seen.append(("optimizer step", phases_of(engine.step)))
+        assert all(phases == [name] for name, phases in seen), seen
+
+
+class TestCheckWithoutZero(DistributedTest):
+    """The check on for an engine without ZeRO (stage 0): it is compared at a ZeRO optimizer's step, so every
+    rank warns that nothing is checked, and runs no collective log; training is unchanged."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_warns_and_logs_nothing(self):
+        import logging
+        from deepspeed.utils import logger
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        scenario = SCENARIOS["uniform"]
+        try:
+            with lockstep_check():
+                engine = make_engine(scenario, zero_config(0))
+                logging_anyway = hang_report.active()
+                for step in range(STEPS):
+                    x, image, route = batch(scenario, dist.get_rank(), step, 0, device=device())
+                    engine.backward(engine(x, image, route))
+                    engine.step()
+                mine = full_params(engine.module, 0)
+        finally:
+            logger.removeHandler(handler)
+        assert logging_anyway is None, "the collective log runs with nothing to compare it"
+        assert any("does not use ZeRO" in r.getMessage() for r in records), [r.getMessage() for r in records]
+        assert_lockstep(mine, train_reference(scenario, dist.get_world_size(), STEPS), zero_config(0), STEPS)
+
+
+class TestGatheredParametersNamed(DistributedTest):
+    """ZeRO-3, the check on: ``GatheredParameters``' all-gather names the parameters it gathers, and with a
+    ``modifier_rank`` each broadcast at its exit names its parameter, the same on every rank."""
+    world_size = 2
+    exec_timeout = 60
+
+    def test_gather_and_broadcast_name_them(self):
+        import deepspeed
+        scenario = SCENARIOS["uniform"]
+        with lockstep_check():
+            engine = make_engine(scenario, zero_config(3, stage3_param_persistence_threshold=0))
+            reporter = hang_report.active()
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            params = sorted(engine.module.parameters(), key=lambda p: p.ds_id)[:2]
+            before = reporter._count
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                gathered = reporter._count
+                if dist.get_rank() == 0:
+                    with torch.no_grad():
+                        params[0].mul_(0.5)
+            log = list(reporter._log)
+            entries = log[len(log) - (reporter._count - before):]
+        expected = [names[id(p)] for p in params]
+        carried = [e["params"] for e in entries]
+        assert carried[:gathered - before] == [[2] + expected] * (gathered - before), carried
+        assert carried[gathered - before:] == [[1, name] for name in expected], carried
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, carried)
+        assert all(c == carried for c in everyone), everyone
