@@ -11,7 +11,8 @@ Per PR, in <out>/<nn>-<name>/:
                  patch adds its tests and their helpers at their upstream paths, without the fork-only lines
                  (those ending in `# fork-only`, and `# fork-only: begin` ... `# fork-only: end` blocks)
   tests/         the same tests as files, to read
-  docs/          the upstream documentation fragments (docs/upstream/*), each naming the page it goes into
+  docs/          the upstream documentation fragments (docs/upstream/*), each naming the page it goes into;
+                 with --upstream-repo, also as a diff of those pages (one more patch: docs/ is not in the sdist)
   DESCRIPTION.md the PR description: problem, fix (the patches' messages), tests, links, how it was checked
   PROOF.md       what the checks found
 
@@ -188,6 +189,93 @@ def commit_tests(pr, prs, tree, author, folder):
     return Path(out.splitlines()[-1]).name
 
 
+DOCS_TARGET = re.compile(r"<!-- into (\S+), (before|after): (.+?) -->\n")
+SECTION_STARTS = ("***", "<i>**", "### ", "#### ")  # where a key's block, or a section, of config-json.md ends
+
+
+def insert_fragment(page, fragment):
+    """``page`` (an upstream documentation page's text) with ``fragment`` (a docs/upstream/ file) put where its
+    first line says: ``<!-- into PATH, before: LINE -->`` (before the line that starts with LINE) or ``after:
+    LINE`` (after the block that line opens: up to the next key or heading)."""
+    match = DOCS_TARGET.match(fragment)
+    where, anchor = match.group(2), match.group(3)
+    body = fragment[match.end():].strip("\n") + "\n"
+    lines = page.splitlines(keepends=True)
+    at = next((i for i, line in enumerate(lines) if line.startswith(anchor)), None)
+    if at is None:
+        raise patch_queue.ForkError(f"{match.group(1)} has no line starting with {anchor!r}")
+    if where == "after":
+        at = next((i for i in range(at + 1, len(lines)) if lines[i].startswith(SECTION_STARTS)), len(lines))
+    return "".join(lines[:at]) + body + "\n" + "".join(lines[at:])
+
+
+def docs_pages(pr):
+    """{upstream page: [the PR's fragments for it]}."""
+    pages = {}
+    for rel in pr["docs"]:
+        text = (ROOT / rel).read_text()
+        match = DOCS_TARGET.match(text)
+        if match is None:
+            raise patch_queue.ForkError(f"{rel}: its first line does not say where it goes (<!-- into ... -->)")
+        pages.setdefault(match.group(1), []).append(text)
+    return pages
+
+
+def commit_docs(pr, prs, tree, author, folder, upstream_repo, rev, number):
+    """The PR's documentation as a diff of upstream's pages (taken from ``upstream_repo`` at ``rev``, since the
+    release's sdist has no docs/): the pages with the fragments of the PRs it depends on are committed as its
+    base, then its own fragments as one more signed-off patch, numbered ``number``. Returns its file name, or
+    None when the PRs it depends on bring every fragment it lists."""
+    name, email = author
+    env = {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email
+    }
+    carried = {}
+    for dep in depended_prs(pr, prs):
+        for page, fragments in docs_pages(dep).items():
+            carried.setdefault(page, []).extend(f for f in fragments if f not in carried.get(page, []))
+    own = {
+        page: [f for f in fragments if f not in carried.get(page, [])]
+        for page, fragments in docs_pages(pr).items()
+    }
+    own = {page: fragments for page, fragments in own.items() if fragments}
+    if not own:
+        return None  # the PRs it depends on bring its documentation
+    base = {}
+    for page in own:
+        shown = subprocess.run(["git", "-C", upstream_repo, "show", f"{rev}:{page}"], capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise patch_queue.ForkError(f"{upstream_repo} has no {page} at {rev}")
+        base[page] = shown.stdout
+        for fragment in carried.get(page, []):
+            base[page] = insert_fragment(base[page], fragment)
+    for stage, pages in (("base", base), ("own", {p: t for p, t in base.items()})):
+        if stage == "own":
+            for page in pages:
+                for fragment in own[page]:
+                    pages[page] = insert_fragment(pages[page], fragment)
+        for page, text in pages.items():
+            (tree / page).parent.mkdir(parents=True, exist_ok=True)
+            (tree / page).write_text(text)
+        patch_queue.git(tree, "add", "-f", *pages)
+        message = (f"docs: upstream's pages as of {rev}, with the PRs this one depends on" if stage == "base" else
+                   f"docs: {pr['name']}\n\nThe documentation of this change, in:\n\n" + "\n".join(f"- {p}"
+                                                                                                  for p in own))
+        patch_queue.git(tree, "commit", "-q", "--no-verify", "--allow-empty", "-s", "-m", message, env=env)
+    out = patch_queue.git(tree,
+                          *patch_queue.FORMAT_PATCH,
+                          "-1",
+                          "--start-number",
+                          str(number),
+                          "-o",
+                          str(folder / "patches"),
+                          env=env).stdout.strip()
+    return Path(out.splitlines()[-1]).name
+
+
 def depended_prs(pr, prs):
     """The PRs of the series whose patches this PR applies after, in order."""
     return [other for other in prs if other is not pr and set(other["patches"]) & set(pr["depends"])]
@@ -300,8 +388,16 @@ def write_pr(index, pr, prs, author, out, pin, sdist, upstream_repo, rev):
             checks.append((f"applies to {pin['name']} {pin['version']} (sdist sha256 {pin['sdist_sha256'][:12]}...)"
                            f"{after}", "yes"))
             tests_patch = commit_tests(pr, prs, tree, author, folder)
-            checks.append((f"its tests as the last patch ({tests_patch})", "yes"))
-            checks += run_checks(folder, tree)
+            checks.append((f"its tests as a patch ({tests_patch})", "yes"))
+            checks += run_checks(folder, tree)  # (before the docs: upstream's whole pages are not ours to lint)
+            if pr["docs"] and upstream_repo:
+                docs_patch = commit_docs(pr, prs, tree, author, folder, upstream_repo, rev, len(pr["patches"]) + 2)
+                checks.append((f"its documentation as a diff of upstream's pages at {rev}",
+                               f"yes ({docs_patch}; it applies to upstream's repository, whose docs/ the release's "
+                               "sdist lacks)" if docs_patch else "none of its own: the PRs it depends on bring it"))
+            elif pr["docs"]:
+                checks.append(("its documentation as a diff of upstream's pages",
+                               "not made (no --upstream-repo): the fragments are in docs/"))
         except patch_queue.ForkError as error:
             problems.append(f"does not apply: {error}")
             tree = None

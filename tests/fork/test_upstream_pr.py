@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
+import patch_queue  # noqa: E402
 import upstream_pr  # noqa: E402
 
 
@@ -88,3 +91,19 @@ def test_every_pr_applies_signed_and_clean(tmp_path):
         assert "## Depends on" not in description or "- PR 0" in description
         for test in (folder / "tests").rglob("*.py"):
             assert "fork-only" not in test.read_text() and "lockstep fork" not in test.read_text()
+
+
+def test_doc_fragments_go_where_their_first_line_says():
+    page = ("### ZeRO\n\n***stage***: [integer]\n\n| Description | Default |\n| 0-3 | `0` |\n\n"
+            "***other***: [boolean]\n\n| x | y |\n\n### Compression\ntext\n")
+    after = "<!-- into docs/_pages/config-json.md, after: ***stage*** -->\n\n***new_key***: [boolean]\n\n| a | b |\n"
+    before = "<!-- into docs/_pages/config-json.md, before: ### Compression -->\n\n### New section\n\nbody\n"
+    out = upstream_pr.insert_fragment(upstream_pr.insert_fragment(page, after), before)
+    assert out.index("***stage***") < out.index("| 0-3 |") < out.index("***new_key***") < out.index("***other***")
+    assert out.index("| x | y |") < out.index("### New section") < out.index("### Compression")
+    assert "<!--" not in out
+    with pytest.raises(patch_queue.ForkError, match="no line starting with"):
+        upstream_pr.insert_fragment(page, "<!-- into p.md, before: ### Missing -->\nx\n")
+    # every fragment a PR lists says where it goes
+    for pr in upstream_pr.read_prs():
+        upstream_pr.docs_pages(pr)
