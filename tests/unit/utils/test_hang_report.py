@@ -355,6 +355,28 @@ def test_torch_collectives_are_logged_once(monkeypatch):
     assert log[0]["by_model"] and log[0]["model_at"] == log[0]["issued_at"]
 
 
+def test_distributed_c10d_names_are_logged(monkeypatch):
+    """A collective called by its name in ``torch.distributed.distributed_c10d`` (where torch defines it) is
+    logged too, and put back by ``stop``."""
+    from torch.distributed import distributed_c10d
+    calls = []
+
+    def torch_broadcast(tensor, src=0, group=None, async_op=False):  # torch's, without a process group
+        calls.append(list(tensor.shape))
+
+    monkeypatch.setattr(distributed_c10d, "broadcast", torch_broadcast)
+    reporter = hang_report.HangReporter()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
+    reporter.log_torch_collectives()
+    try:
+        distributed_c10d.broadcast(torch.ones(2), src=0)
+    finally:
+        reporter.stop()
+    assert distributed_c10d.broadcast is torch_broadcast and calls == [[2]]
+    assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[2],
+                                                                                                   "torch.float32"]])]
+
+
 def test_step_fingerprint_digest():
     """The lockstep check's digest of a step: equal for the same collectives, whatever the step before was,
     different when two collectives swap places or one is missing; the first ``keep`` entries are kept."""
