@@ -356,8 +356,8 @@ def test_torch_collectives_are_logged_once(monkeypatch):
 
 
 def test_distributed_c10d_names_are_logged(monkeypatch):
-    """A collective called by its name in ``torch.distributed.distributed_c10d`` (where torch defines it) is
-    logged too, and put back by ``stop``."""
+    """A collective called by its name in torch's ``distributed_c10d`` module (where torch defines it) is logged
+    too, and put back by ``stop``."""
     from torch import distributed as torch_dist
     distributed_c10d = torch_dist.distributed_c10d
     calls = []
