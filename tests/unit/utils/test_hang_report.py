@@ -418,7 +418,7 @@ def test_collectives_carry_their_parameters(monkeypatch):
         return reporter.begin("all_reduce", signature, (tensor, ), {})
 
     entries = [reduce(torch.ones(2))]
-    with hang_report.carrying([(0, p) for p in params]):  # a bucket's (group index, parameter)
+    with hang_report.carrying(params):  # a bucket
         entries.append(reduce(torch.ones(2)))
         with hang_report.carrying({params[3], params[1]}, ordered=False):  # a fetch of a set
             entries.append(reduce(torch.ones(2)))
