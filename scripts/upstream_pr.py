@@ -153,40 +153,47 @@ def stripped_files(pr):
     return {rel: strip_fork_only((ROOT / rel).read_text()) for rel in pr["tests"] + pr["helpers"]}
 
 
-def commit_tests(pr, prs, tree, author, folder):
-    """Add the PR's tests to its series as one more signed-off commit, after the stripped tests of the PRs it
-    depends on (so that a helper they share is added once, and grown by a diff)."""
+def author_env(author):
+    """The environment that makes ``author`` (name, email) the author and committer of a commit."""
     name, email = author
-    env = {
+    return {
         "GIT_AUTHOR_NAME": name,
         "GIT_AUTHOR_EMAIL": email,
         "GIT_COMMITTER_NAME": name,
         "GIT_COMMITTER_EMAIL": email
     }
-    for files in [stripped_files(dep) for dep in depended_prs(pr, prs)] + [stripped_files(pr)]:
-        for rel, text in files.items():
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tree / rel).write_text(text)
-        patch_queue.git(tree, "add", "-f", *files)
-        patch_queue.git(tree,
-                        "commit",
-                        "-q",
-                        "--no-verify",
-                        "--allow-empty",
-                        "-s",
-                        "-m",
-                        f"tests: {pr['name']}\n\nThe tests of this change:\n\n" + "\n".join(f"- {rel}"
-                                                                                            for rel in pr["tests"]),
-                        env=env)
+
+
+def commit_files(tree, files, message, env):
+    """Write ``files`` ({path: text}) into ``tree`` and commit them, signed off, with ``message``."""
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    patch_queue.git(tree, "add", "-f", *files)
+    patch_queue.git(tree, "commit", "-q", "--no-verify", "--allow-empty", "-s", "-m", message, env=env)
+
+
+def export_last_commit(tree, number, folder, env):
+    """``tree``'s last commit as patch number ``number`` in ``folder``/patches; returns its file name."""
     out = patch_queue.git(tree,
                           *patch_queue.FORMAT_PATCH,
                           "-1",
                           "--start-number",
-                          str(len(pr["patches"]) + 1),
+                          str(number),
                           "-o",
                           str(folder / "patches"),
                           env=env).stdout.strip()
     return Path(out.splitlines()[-1]).name
+
+
+def commit_tests(pr, prs, tree, author, folder):
+    """Add the PR's tests to its series as one more signed-off commit, after the stripped tests of the PRs it
+    depends on (so that a helper they share is added once, and grown by a diff)."""
+    env = author_env(author)
+    message = f"tests: {pr['name']}\n\nThe tests of this change:\n\n" + "\n".join(f"- {rel}" for rel in pr["tests"])
+    for files in [stripped_files(dep) for dep in depended_prs(pr, prs)] + [stripped_files(pr)]:
+        commit_files(tree, files, message, env)
+    return export_last_commit(tree, len(pr["patches"]) + 1, folder, env)
 
 
 DOCS_TARGET = re.compile(r"<!-- into (\S+), (before|after): (.+?) -->\n")
@@ -226,54 +233,34 @@ def commit_docs(pr, prs, tree, author, folder, upstream_repo, rev, number):
     release's sdist has no docs/): the pages with the fragments of the PRs it depends on are committed as its
     base, then its own fragments as one more signed-off patch, numbered ``number``. Returns its file name, or
     None when the PRs it depends on bring every fragment it lists."""
-    name, email = author
-    env = {
-        "GIT_AUTHOR_NAME": name,
-        "GIT_AUTHOR_EMAIL": email,
-        "GIT_COMMITTER_NAME": name,
-        "GIT_COMMITTER_EMAIL": email
-    }
     carried = {}
     for dep in depended_prs(pr, prs):
         for page, fragments in docs_pages(dep).items():
             carried.setdefault(page, []).extend(f for f in fragments if f not in carried.get(page, []))
-    own = {
-        page: [f for f in fragments if f not in carried.get(page, [])]
-        for page, fragments in docs_pages(pr).items()
-    }
-    own = {page: fragments for page, fragments in own.items() if fragments}
+    own = {}
+    for page, fragments in docs_pages(pr).items():
+        new = [f for f in fragments if f not in carried.get(page, [])]
+        if new:
+            own[page] = new
     if not own:
         return None  # the PRs it depends on bring its documentation
-    base = {}
+    pages = {}
     for page in own:
         shown = subprocess.run(["git", "-C", upstream_repo, "show", f"{rev}:{page}"], capture_output=True, text=True)
         if shown.returncode != 0:
             raise patch_queue.ForkError(f"{upstream_repo} has no {page} at {rev}")
-        base[page] = shown.stdout
+        pages[page] = shown.stdout
         for fragment in carried.get(page, []):
-            base[page] = insert_fragment(base[page], fragment)
-    for stage, pages in (("base", base), ("own", {p: t for p, t in base.items()})):
-        if stage == "own":
-            for page in pages:
-                for fragment in own[page]:
-                    pages[page] = insert_fragment(pages[page], fragment)
-        for page, text in pages.items():
-            (tree / page).parent.mkdir(parents=True, exist_ok=True)
-            (tree / page).write_text(text)
-        patch_queue.git(tree, "add", "-f", *pages)
-        message = (f"docs: upstream's pages as of {rev}, with the PRs this one depends on" if stage == "base" else
-                   f"docs: {pr['name']}\n\nThe documentation of this change, in:\n\n" + "\n".join(f"- {p}"
-                                                                                                  for p in own))
-        patch_queue.git(tree, "commit", "-q", "--no-verify", "--allow-empty", "-s", "-m", message, env=env)
-    out = patch_queue.git(tree,
-                          *patch_queue.FORMAT_PATCH,
-                          "-1",
-                          "--start-number",
-                          str(number),
-                          "-o",
-                          str(folder / "patches"),
-                          env=env).stdout.strip()
-    return Path(out.splitlines()[-1]).name
+            pages[page] = insert_fragment(pages[page], fragment)
+    env = author_env(author)
+    commit_files(tree, pages, f"docs: upstream's pages as of {rev}, with the PRs this one depends on", env)
+    for page, fragments in own.items():
+        for fragment in fragments:
+            pages[page] = insert_fragment(pages[page], fragment)
+    commit_files(tree, pages,
+                 f"docs: {pr['name']}\n\nThe documentation of this change, in:\n\n" + "\n".join(f"- {p}" for p in own),
+                 env)
+    return export_last_commit(tree, number, folder, env)
 
 
 def depended_prs(pr, prs):
