@@ -276,9 +276,9 @@ def main():
         p.error("--model moe measures ZeRO-3 only: pass --stages 3")
 
     if args.upstream_python is None:
-        import fork
+        import patch_queue
         import verify
-        args.upstream_python = str(verify.upstream_python(fork.read_pin()))
+        args.upstream_python = str(verify.upstream_python(patch_queue.read_pin()))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, "
