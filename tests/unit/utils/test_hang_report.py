@@ -77,6 +77,12 @@ WORKER = textwrap.dedent('''
 
     class Tap(torch.nn.Module):
 
+        def __init__(self):
+            super().__init__()
+            # a frozen parameter: ZeRO-3 hooks the module (one without parameters gets no hooks), so the
+            # fetch schedule has its forward's events
+            self.unused = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
         def forward(self, h):
             if in_forward[0]:
                 torch_dist.all_reduce(torch.ones(4), group=own_group)  # FORWARD COLLECTIVE
