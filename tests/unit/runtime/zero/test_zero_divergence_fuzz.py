@@ -59,6 +59,8 @@ class Residual(torch.nn.Module):
             torch.nn.Linear(HIDDEN, HIDDEN),
         ])
         self.act = torch.nn.Tanh()
+        self.tied = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.tied.weight = self.blocks[4].weight  # a weight two modules share
         self.head = torch.nn.Linear(HIDDEN, 1)
 
     def forward(self, x, program, graphless=False):
@@ -66,6 +68,10 @@ class Residual(torch.nn.Module):
         for op in program:
             if op == "act":
                 h = self.act(h)
+            elif op == "tied":
+                h = h + 0.5 * self.tied(h)
+            elif op == "external":  # a weight read outside its module (as Hugging Face's T5 feed-forward does)
+                h = h + 0.5 * torch.nn.functional.linear(h, self.blocks[2].weight)
             elif isinstance(op, tuple):  # ("ckpt", block): under non-reentrant activation checkpointing
                 h = h + 0.5 * torch.utils.checkpoint.checkpoint(self.blocks[op[1]], h, use_reentrant=False)
             else:
@@ -113,11 +119,12 @@ def draw_program(seed, rank, step, micro, evaluation=False):
             rng.shuffle(program)
         if program and rng.random() < 0.15:
             program.insert(rng.randrange(len(program) + 1), rng.choice(program))  # a block run twice
-        if rng.random() < 0.2:
-            program.insert(rng.randrange(len(program) + 1), "act")
+        for extra in ("act", "tied", "external"):
+            if rng.random() < 0.2:
+                program.insert(rng.randrange(len(program) + 1), extra)
         if program and rng.random() < 0.15:
             i = rng.randrange(len(program))
-            if program[i] != "act":
+            if isinstance(program[i], int):
                 program[i] = ("ckpt", program[i])
         programs.append(program)
     gradless = None

@@ -1,0 +1,86 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-3 gathers a parameter that a forward reads outside its own module's forward (a weight used
+functionally by its parent, as Hugging Face's T5 feed-forward reads ``self.wo.weight``) when it is read, and
+registers it as an external parameter of the module running then: from then on that module's fetch gathers
+it too. The registration is made by the ranks whose data took that path only, so once they replay the
+same module trace, that module's fetch gathers one more parameter on those ranks than on the others (gloo:
+size mismatch; NCCL: hang or mixed-up parameters). Oracle: every rank finishes within the deadline,
+parameters identical across ranks and equal to a plain-PyTorch reference."""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+
+from unit.common import DistributedTest
+from unit.runtime.zero.lockstep_scenarios import SEED, assert_lockstep, device, full_params, reference_training, zero_config
+
+STEPS = 5
+HIDDEN = 8
+
+
+class ReadsSiblingWeight(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.side = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.second = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, 1)
+
+    def forward(self, x, read_side):
+        h = self.first(x)
+        if read_side:  # side's weight used by this module, outside side's own forward
+            h = h + torch.nn.functional.linear(h, self.side.weight)
+        return self.head(self.second(h)).pow(2).mean()
+
+
+# whether a rank reads the weight outside its module at a step
+USAGES = {
+    "rank0_from_start": lambda rank, step: rank == 0,
+    "rank0_after_uniform": lambda rank, step: step >= 2 and rank == 0,
+    "rank0_once": lambda rank, step: step == 1 and rank == 0,
+}
+
+
+def _model():
+    torch.manual_seed(SEED)
+    return ReadsSiblingWeight()
+
+
+def _batch(usage, rank, step):
+    g = torch.Generator().manual_seed(SEED + 100 * step + rank)
+    return torch.randn(4, HIDDEN, generator=g), USAGES[usage](rank, step)
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("prefetch", [64, 0])
+@pytest.mark.parametrize("usage", sorted(USAGES))
+class TestWeightReadOutsideItsModule(DistributedTest):
+    world_size = 2
+    exec_timeout = 60
+
+    def test_lockstep(self, usage, prefetch):
+        rank = dist.get_rank()
+        config = zero_config(3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=prefetch)
+        model = _model()
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+        for step in range(STEPS):
+            x, read_side = _batch(usage, rank, step)
+            engine.backward(engine(x.to(device()), read_side))
+            engine.step()
+        with torch.no_grad():  # an evaluation on every rank, each with its own path
+            engine(x.to(device()), rank == 1)
+        mine = full_params(engine.module, 3)
+
+        ref_model = _model()
+        ref = reference_training(ref_model, _optimizer(ref_model), dist.get_world_size(), STEPS, 1,
+                                 lambda r, s, m: ref_model(*_batch(usage, r, s)))
+        assert_lockstep(mine, ref, config, STEPS)
