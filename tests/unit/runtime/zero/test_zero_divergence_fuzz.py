@@ -155,7 +155,8 @@ def _optimizer(model):
 def _loss(model, seed, rank, step, micro, reference=False):
     """(the loss, the model's outputs). The reference's gradless loss is zero times the loss: zero gradients."""
     programs, gradless = draw_program(seed, rank, step, micro)
-    x = draw_input(seed, rank, step, micro).to(device())
+    x = draw_input(seed, rank, step, micro)
+    x = x if reference else x.to(device())  # the reference trains on the CPU
     outputs = [model(x, program, graphless=gradless == "graphless" and not reference) for program in programs]
     loss = sum(outputs)
     if gradless == "constant" and not reference:

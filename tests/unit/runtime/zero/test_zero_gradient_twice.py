@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import CLIP, assert_lockstep, full_params, reference_training
 
@@ -86,7 +87,8 @@ class TestGradientArrivesTwiceOnOneRank(DistributedTest):
 
         def train(steps):
             for step in steps:
-                engine.backward(engine(_batch(rank, step), rank == 1 and step == refine_at))
+                x = _batch(rank, step).to(get_accelerator().current_device_name())
+                engine.backward(engine(x, rank == 1 and step == refine_at))
                 engine.step()
 
         if (stage, refine_at) not in HANDLED:
