@@ -165,7 +165,8 @@ def _loss(model, seed, rank, step, micro, reference=False):
 
 
 def run_seed(seed):
-    config, _ = draw_config(seed)
+    config, world_size = draw_config(seed)
+    assert dist.get_world_size() == world_size, f"seed {seed} draws {world_size} ranks"
     rank, stage = dist.get_rank(), config["zero_optimization"]["stage"]
     gas = config["gradient_accumulation_steps"]
     model = _model()
@@ -188,34 +189,24 @@ def run_seed(seed):
 
 
 def _cases(seeds):
-    return [pytest.param(seed, id=f"seed-{seed}-ws{draw_config(seed)[1]}") for seed in seeds]
-
-
-SEEDS = _seeds(range(6))
+    """One case per seed, on the number of ranks its draw says (2, or 3 for uneven partitions)."""
+    cases = []
+    for seed in seeds:
+        world_size = draw_config(seed)[1]
+        cases.append(pytest.param(seed, id=f"seed-{seed}-ws{world_size}", marks=pytest.mark.world_size(world_size)))
+    return cases
 
 
 class TestDivergenceFuzz(DistributedTest):
-    """The seeds whose draw is 2 ranks; the 3-rank draws (uneven partitions) in the class below."""
-    world_size = 2
     exec_timeout = 90
 
-    @pytest.mark.parametrize("seed", _cases(s for s in SEEDS if draw_config(s)[1] == 2))
-    def test_lockstep(self, seed):
-        run_seed(seed)
-
-
-class TestDivergenceFuzz3(DistributedTest):
-    world_size = 3
-    exec_timeout = 90
-
-    @pytest.mark.parametrize("seed", _cases(s for s in SEEDS if draw_config(s)[1] == 3))
+    @pytest.mark.parametrize("seed", _cases(_seeds(range(6))))
     def test_lockstep(self, seed):
         run_seed(seed)
 
 
 @pytest.mark.nightly
 class TestDivergenceFuzzNightly(DistributedTest):
-    world_size = 2
     exec_timeout = 90
 
     @pytest.mark.parametrize("seed", _cases(range(100, 200)))
