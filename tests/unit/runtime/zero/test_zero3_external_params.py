@@ -7,15 +7,11 @@ functionally by its parent, as Hugging Face's T5 feed-forward reads ``self.wo.we
 registers it as an external parameter of the module running then: from then on that module's fetch gathers
 it too. The registration is made by the ranks whose data took that path only, so once they replay the
 same module trace, that module's fetch gathers one more parameter on those ranks than on the others (gloo:
-size mismatch; NCCL: hang or mixed-up parameters). A weight read while it happens to be available (gathered
-ahead by a prefetch, or by a replay of the fetch schedule for a module that has not run yet) was not
-registered at all: its module released it after its own backward, and ZeRO-3's linear backward then
-gathered it again, on the reading ranks alone. Oracle: every rank finishes within the deadline,
+size mismatch; NCCL: hang or mixed-up parameters). Oracle: every rank finishes within the deadline,
 parameters identical across ranks and equal to a plain-PyTorch reference."""
 
 import pytest
 import torch
-import torch.utils.checkpoint
 
 import deepspeed
 import deepspeed.comm as dist
@@ -88,72 +84,3 @@ class TestWeightReadOutsideItsModule(DistributedTest):
         ref = reference_training(ref_model, _optimizer(ref_model), dist.get_world_size(), STEPS, 1,
                                  lambda r, s, m: ref_model(*_batch(usage, r, s)))
         assert_lockstep(mine, ref, config, STEPS)
-
-
-class Blocks(torch.nn.Module):
-    """A residual stack whose forward runs a program: block indices, "read" (block 2's weight used by this
-    module before block 2 runs) and "ckpt" (block 2 under non-reentrant activation checkpointing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(4)])
-        self.head = torch.nn.Linear(HIDDEN, 1)
-
-    def forward(self, x, program):
-        h = self.embed(x)
-        for op in program:
-            if op == "read":
-                h = h + 0.5 * torch.nn.functional.linear(h, self.blocks[2].weight)
-            elif op == "ckpt":
-                h = h + 0.5 * torch.utils.checkpoint.checkpoint(self.blocks[2], h, use_reentrant=False)
-            else:
-                h = h + 0.5 * self.blocks[op](h)
-        return self.head(h).pow(2).mean()
-
-
-# per step, one program for every rank or one per rank
-PROGRAMS = {
-    # every parameter prefetched from the second step on: block 2's weight is available when rank 0 reads it
-    "prefetched": ([[2]], [[2]], [["read", 2], [2]], [["read", 2], [2]]),
-    # the schedule (from a step with a checkpoint recompute) replays block 2's fetch on rank 0 before its read
-    "replayed": ([["ckpt"]], [[0, 2, 3, 1]], [[0, 3]], [[0, 1, "read", 2], [0, 1, 2, 3]]),
-}
-
-
-def _program(name, rank, step):
-    programs = PROGRAMS[name][step]
-    return programs[rank] if len(programs) > 1 else programs[0]
-
-
-def _blocks():
-    torch.manual_seed(SEED)
-    return Blocks()
-
-
-def _blocks_batch(rank, step):
-    return torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(SEED + 10 * step + rank))
-
-
-@pytest.mark.parametrize("name, prefetch", [("prefetched", 50_000_000), ("replayed", 0), ("replayed", 50_000_000)])
-class TestWeightReadWhileAvailable(DistributedTest):
-    world_size = 2
-    exec_timeout = 60
-
-    def test_lockstep(self, name, prefetch):
-        rank, steps = dist.get_rank(), len(PROGRAMS[name])
-        config = zero_config(3,
-                             reduce_bucket_size=40,
-                             stage3_param_persistence_threshold=0,
-                             stage3_prefetch_bucket_size=prefetch)
-        model = _blocks()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
-        for step in range(steps):
-            engine.backward(engine(_blocks_batch(rank, step).to(device()), _program(name, rank, step)))
-            engine.step()
-        mine = full_params(engine.module, 3)
-
-        ref_model = _blocks()
-        ref = reference_training(ref_model, _optimizer(ref_model), dist.get_world_size(), steps, 1,
-                                 lambda r, s, m: ref_model(_blocks_batch(r, s), _program(name, r, s)))
-        assert_lockstep(mine, ref, config, steps)
