@@ -1,0 +1,182 @@
+# Copyright (c) the DeepSpeed lockstep fork authors.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-3, per-expert MoE with natural routing and no declaration: once a forward ran some experts of a
+``ModuleList`` and skipped others, every rank fetches the module holding the list (the MoE block) as one,
+as a leaf module declared with ``set_z3_leaf_modules`` is fetched, instead of fetching each expert through
+its own module hooks and replaying the gathers of the experts it skipped. Oracles: every rank finishes within
+the deadline, the parameters are identical across ranks and equal a plain-PyTorch reference (a gradient
+missing on a rank counts as zero), they stay partitioned at rest, and the fetch schedule the ranks replay at
+the end holds the MoE blocks' fetches and none of their experts' (with ``fetch_agreement: "replay"``, a
+block larger than ``stage3_max_live_parameters``, or a container every forward runs wholly or not at all, the
+experts keep their own fetches)."""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.fetch_schedule import FWD_PRE
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import z3_leaf_module
+
+from unit.common import DistributedTest
+from unit.runtime.zero import lockstep_fakes as fakes
+from unit.runtime.zero.lockstep_scenarios import (SEED, assert_lockstep, device, full_params, reference_training,
+                                                  zero_config)
+from unit.runtime.zero.moe_scenarios import SwitchMoE, experts_used, moe_batch, moe_model, moe_optimizer
+
+STEPS = 7  # votes, replay (experts skipped: the blocks coalesce at its step), votes, then replay as one
+
+
+def _train(config, model, batch_of, steps=STEPS):
+    rank = dist.get_rank()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
+    for step in range(steps):
+        engine.backward(engine(*batch_of(rank, step, device())))
+        engine.step()
+        assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+    return engine
+
+
+def _scheduled_modules(engine):
+    """The modules whose forward the fetch schedule the ranks replay fetches for, by name."""
+    schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
+    assert schedule.replaying, "the ranks should replay an agreed fetch schedule at the end"
+    names = {m.ds_id: name for name, m in engine.module.named_modules()}
+    return [names[what] for kind, what in schedule._events if kind == FWD_PRE]
+
+
+def _check_against_reference(engine, config, model_of, batch_of, steps=STEPS):
+    ref_model = model_of()
+    ref = reference_training(ref_model, moe_optimizer(ref_model), dist.get_world_size(), steps, 1,
+                             lambda r, s, m: ref_model(*batch_of(r, s, "cpu")))
+    assert_lockstep(full_params(engine.module, 3), ref, config, steps)
+
+
+def _moe_batch(rank, step, on):
+    return (moe_batch(rank, step).to(on), )
+
+
+@pytest.mark.parametrize("fetching", ["default", "replay", "max_live"])
+class TestRoutedExpertsFetchedWithTheirBlock(DistributedTest):
+    world_size = 2
+    exec_timeout = 120
+
+    def test_lockstep(self, fetching):
+        options = dict(stage3_param_persistence_threshold=0)
+        if fetching == "replay":
+            options["fetch_agreement"] = "replay"
+        elif fetching == "max_live":  # one MoE block (4 experts) is larger than this
+            options["stage3_max_live_parameters"] = 200
+        config = zero_config(3, **options)
+        check_model = moe_model()
+        assert any(
+            experts_used(check_model, moe_batch(0, s)) != experts_used(check_model, moe_batch(1, s))
+            for s in range(STEPS)), "the test data should route tokens to different experts on different ranks"
+        assert any(
+            len(used) < len(check_model.blocks[0].experts) for s in range(STEPS)
+            for used in experts_used(check_model, moe_batch(0, s))), "some forward should skip an expert"
+
+        engine = _train(config, moe_model(), _moe_batch)
+        _check_against_reference(engine, config, moe_model, _moe_batch)
+
+        blocks = [m for m in engine.module.modules() if isinstance(m, SwitchMoE)]
+        scheduled = _scheduled_modules(engine)
+        if fetching == "default":
+            assert all(z3_leaf_module(block) for block in blocks)
+            assert all(below.ds_coalesced_into is block for block in blocks for below in list(block.modules())[1:])
+            assert not [name for name in scheduled if ".experts." in name], scheduled
+            assert [name for name in scheduled if name.startswith("blocks.")] == ["blocks.0", "blocks.1"], scheduled
+        else:  # each expert keeps its own fetch
+            assert not any(z3_leaf_module(block) for block in blocks)
+            assert [name for name in scheduled if ".experts." in name], scheduled
+
+
+class Tower(torch.nn.Module):
+    """An image tower whose layers sit in a ModuleList: a forward runs all of them or none."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(2))
+
+    def forward(self, image):
+        for layer in self.layers:
+            image = torch.tanh(layer(image))
+        return image
+
+
+class TowerModel(torch.nn.Module):
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.embed = torch.nn.Linear(hidden, hidden)
+        self.tower = Tower(hidden)
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, image=None):
+        h = self.embed(x)
+        if image is not None:
+            h = h + self.tower(image)
+        return self.head(h).pow(2).mean()
+
+
+def _tower_model():
+    torch.manual_seed(SEED)
+    return TowerModel()
+
+
+def _tower_batch(rank, step, on):
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    x = torch.randn(3, 8, generator=g).to(on)
+    image = torch.randn(3, 8, generator=g).to(on) if (rank + step) % 2 == 0 else None
+    return x, image
+
+
+class TestTowerSkippedWhollyKeepsItsLayersFetches(DistributedTest):
+    """A container whose children a forward runs all or none of (an image tower on text-only batches) is not
+    routing: its layers keep their own fetches (fetching the tower as one would only hold more memory)."""
+    world_size = 2
+    exec_timeout = 120
+
+    def test_lockstep(self):
+        config = zero_config(3, stage3_param_persistence_threshold=0)
+        engine = _train(config, _tower_model(), _tower_batch)
+        _check_against_reference(engine, config, _tower_model, _tower_batch)
+        assert not z3_leaf_module(engine.module.tower)
+        assert [name for name in _scheduled_modules(engine) if name.startswith("tower.layers.")], \
+            _scheduled_modules(engine)
+
+
+# Single-process: the fetch schedule marks the host, the step agreement makes every rank coalesce.
+
+
+@pytest.fixture
+def ranks(monkeypatch):
+    return fakes.thread_ranks(monkeypatch)
+
+
+def test_a_forward_that_runs_part_of_a_container_marks_its_host():
+    """Modules 1 and 2 are the children of one container held by module 9: a forward that skips one and runs the
+    other (an MoE layer's experts) marks 9; one that runs both, or skips both (a tower not used), does not."""
+    for order, marked in (([0, 1, 3], [9]), ([0, 2, 3], [9]), ([0, 1, 2, 3], []), ([0, 3], [])):
+        schedule, rank = fakes.agreed()
+        schedule.watch_routing({1: ("experts", 9), 2: ("experts", 9)}, {"experts": [1, 2]})
+        fakes.micro_step(schedule, rank, order)
+        assert schedule.take_routed_hosts() == marked, order
+        assert schedule.take_routed_hosts() == []  # taken once per step
+        assert rank.log == fakes.uniform_log(), "a rank that skips modules issues the same collectives"
+
+
+def test_a_routed_container_on_one_rank_coalesces_on_every_rank(ranks):
+    """One rank marked a host: the step agreement's flag makes every rank coalesce, at the same step (the real
+    coordinator then exchanges the hosts); no rank marked one: none coalesces."""
+    for marked_on in (1, None):
+        coordinators = [
+            fakes.Coordinator((True, False, 0), routed=[9] if r == marked_on else []) for r in range(ranks.n)
+        ]
+        results = fakes.step(ranks, [fakes.optimizer() for _ in range(ranks.n)], coordinators)
+        assert not any(isinstance(r, Exception) for r in results), results
+        expected = [[9] if r == marked_on else [] for r in range(ranks.n)] if marked_on is not None else [None] * 3
+        assert [c.coalesced for c in coordinators] == expected
