@@ -17,12 +17,10 @@ import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.fetch_schedule import FWD_PRE
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import z3_leaf_module
 
 from unit.common import DistributedTest
-from unit.runtime.zero import lockstep_fakes as fakes
 from unit.runtime.zero.lockstep_scenarios import (SEED, assert_lockstep, device, full_params, reference_training,
                                                   zero_config)
 from unit.runtime.zero.moe_scenarios import SwitchMoE, experts_used, moe_batch, moe_model, moe_optimizer
@@ -42,6 +40,7 @@ def _train(config, model, batch_of, steps=STEPS):
 
 def _scheduled_modules(engine):
     """The modules whose forward the fetch schedule the ranks replay fetches for, by name."""
+    from deepspeed.runtime.zero.fetch_schedule import FWD_PRE
     schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
     assert schedule.replaying, "the ranks should replay an agreed fetch schedule at the end"
     names = {m.ds_id: name for name, m in engine.module.named_modules()}
@@ -149,17 +148,20 @@ class TestTowerSkippedWhollyKeepsItsLayersFetches(DistributedTest):
             _scheduled_modules(engine)
 
 
-# Single-process: the fetch schedule marks the host, the step agreement makes every rank coalesce.
+# Single-process: the fetch schedule marks the host, the step agreement makes every rank coalesce. (The fakes are
+# imported in each test, so that the distributed tests above also run where these mechanisms do not exist.)
 
 
 @pytest.fixture
 def ranks(monkeypatch):
+    from unit.runtime.zero import lockstep_fakes as fakes
     return fakes.thread_ranks(monkeypatch)
 
 
 def test_a_forward_that_runs_part_of_a_container_marks_its_host():
     """Modules 1 and 2 are the children of one container held by module 9: a forward that skips one and runs the
     other (an MoE layer's experts) marks 9; one that runs both, or skips both (a tower not used), does not."""
+    from unit.runtime.zero import lockstep_fakes as fakes
     for order, marked in (([0, 1, 3], [9]), ([0, 2, 3], [9]), ([0, 1, 2, 3], []), ([0, 3], [])):
         schedule, rank = fakes.agreed()
         schedule.watch_routing({1: ("experts", 9), 2: ("experts", 9)}, {"experts": [1, 2]})
@@ -172,6 +174,7 @@ def test_a_forward_that_runs_part_of_a_container_marks_its_host():
 def test_a_routed_container_on_one_rank_coalesces_on_every_rank(ranks):
     """One rank marked a host: the step agreement's flag makes every rank coalesce, at the same step (the real
     coordinator then exchanges the hosts); no rank marked one: none coalesces."""
+    from unit.runtime.zero import lockstep_fakes as fakes
     for marked_on in (1, None):
         coordinators = [
             fakes.Coordinator((True, False, 0), routed=[9] if r == marked_on else []) for r in range(ranks.n)
