@@ -159,12 +159,12 @@ def ranks(monkeypatch):
 
 
 def test_a_forward_that_runs_part_of_a_container_marks_its_host():
-    """Modules 1 and 2 are the children of one container held by module 9: a forward that skips one and runs the
+    """Modules 1 and 2 are the children of one container held by module 9 (its first container): a forward that skips one and runs the
     other (an MoE layer's experts) marks 9; one that runs both, or skips both (a tower not used), does not."""
     from unit.runtime.zero import lockstep_fakes as fakes
     for order, marked in (([0, 1, 3], [9]), ([0, 2, 3], [9]), ([0, 1, 2, 3], []), ([0, 3], [])):
         schedule, rank = fakes.agreed()
-        schedule.watch_routing({1: ("experts", 9), 2: ("experts", 9)}, {"experts": [1, 2]})
+        schedule.watch_routing({1: (9, 0), 2: (9, 0)}, {(9, 0): [1, 2]})  # container 0 of module 9
         fakes.micro_step(schedule, rank, order)
         assert schedule.take_routed_hosts() == marked, order
         assert schedule.take_routed_hosts() == []  # taken once per step
