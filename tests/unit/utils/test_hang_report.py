@@ -563,4 +563,28 @@ def test_a_stall_report_is_withdrawn_when_progress_resumes(tmp_path, monkeypatch
         reporter.stop()
 
 
+@needs_flight_recorder
+def test_a_report_appears_with_its_flight_recorder_dump(tmp_path, monkeypatch):
+    """A reader (``merge``, the harness at a deadline, the test above) takes a rank's report as complete once
+    it is on disk: the flight recorder's dump written with it must already be beside it. Each time the dump is
+    written, the report must not be visible yet."""
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    visible_before_dump = []
+    dump = hang_report._dump_flight_recorder
+
+    def watched(directory, rank):
+        visible_before_dump.append(sorted(p.name for p in tmp_path.glob("rank-*.json")))
+        return dump(directory, rank)
+
+    monkeypatch.setattr(hang_report, "_dump_flight_recorder", watched)
+    reporter = hang_report.HangReporter()
+    reporter.watch(str(tmp_path), timeout=600)
+    try:
+        path = reporter.write("asked")
+    finally:
+        reporter.stop()
+    assert os.path.exists(path) and len(list(tmp_path.glob(f"{hang_report.FLIGHT_RECORDER}/rank_*"))) == 1
+    assert visible_before_dump == [[]], f"the report was on disk before its dump: {visible_before_dump}"
+
+
 # fork-only: end
