@@ -9,8 +9,10 @@ gradients, reduce-scatter, overlap; for ZeRO-3 prefetch, persistence and CPU par
 every rank, step and micro-step, a program over a residual stack of blocks: which blocks run, in which
 order, a block run twice, an activation without parameters, a block under activation checkpointing, the
 model called twice per loss, after how many uniform steps the ranks start to differ, an evaluation forward
-under ``no_grad`` on every rank with rank-dependent blocks, and now and then a rank whose loss has no
-gradient (a constant beside outputs with a graph, or a model that returns a constant without any). Whatever the program, every rank must finish within the deadline
+under ``no_grad`` on every rank with rank-dependent blocks, a mixture-of-experts block whose experts each rank
+picks for itself (some, all or none; under checkpointing; an expert's weight read outside the block), and
+now and then a rank whose loss has no gradient (a constant beside outputs with a graph, or a model that
+returns a constant without any). Whatever the program, every rank must finish within the deadline
 with parameters identical across ranks and equal to a plain-PyTorch reference that averages each
 gradient over the ranks with zeros where a rank produced none.
 
@@ -34,6 +36,7 @@ from unit.runtime.zero.lockstep_scenarios import (SEED, assert_lockstep, device,
 HIDDEN = 8
 STEPS = 4
 BLOCKS = 5
+EXPERTS = 3
 
 
 def _seeds(default):
@@ -42,6 +45,24 @@ def _seeds(default):
         return list(default)
     first, _, last = spec.partition("-")
     return list(range(int(first), int(last or first) + 1))
+
+
+class Experts(torch.nn.Module):
+    """A block of experts in a ``ModuleList`` below the model, weighted by a gate: which experts run is the
+    program's (a router's) choice, per rank. Where the ranks choose differently, ZeRO-3's fetch agreement
+    fetches the experts with their block."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(EXPERTS)])
+
+    def forward(self, h, chosen):
+        weights = torch.softmax(self.gate(h), dim=-1)
+        out = torch.zeros_like(h)
+        for e in chosen:
+            out = out + weights[:, e:e + 1] * self.experts[e](h)
+        return out
 
 
 class Residual(torch.nn.Module):
@@ -62,6 +83,7 @@ class Residual(torch.nn.Module):
         self.tied = torch.nn.Linear(HIDDEN, HIDDEN)
         self.tied.weight = self.blocks[4].weight  # a weight two modules share
         self.head = torch.nn.Linear(HIDDEN, 1)
+        self.moe = Experts()
 
     def forward(self, x, program, graphless=False):
         h = self.embed(x)
@@ -72,6 +94,13 @@ class Residual(torch.nn.Module):
                 h = h + 0.5 * self.tied(h)
             elif op == "external":  # a weight read outside its module (as Hugging Face's T5 feed-forward does)
                 h = h + 0.5 * torch.nn.functional.linear(h, self.blocks[2].weight)
+            elif isinstance(op, tuple) and op[0] == "moe":  # ("moe", experts chosen, under checkpointing)
+                if op[2]:
+                    h = h + 0.5 * torch.utils.checkpoint.checkpoint(self.moe, h, op[1], use_reentrant=False)
+                else:
+                    h = h + 0.5 * self.moe(h, op[1])
+            elif isinstance(op, tuple) and op[0] == "expert":  # ("expert", e): its weight read outside the block
+                h = h + 0.5 * torch.nn.functional.linear(h, self.moe.experts[op[1]].weight)
             elif isinstance(op, tuple):  # ("ckpt", block): under non-reentrant activation checkpointing
                 h = h + 0.5 * torch.utils.checkpoint.checkpoint(self.blocks[op[1]], h, use_reentrant=False)
             else:
@@ -126,11 +155,25 @@ def draw_program(seed, rank, step, micro, evaluation=False):
             i = rng.randrange(len(program))
             if isinstance(program[i], int):
                 program[i] = ("ckpt", program[i])
+        _add_experts(
+            program,
+            random.Random(f"{seed}-{rank if divergent else 'all'}-{step}-{micro}-{evaluation}-"
+                          f"{len(programs)}-moe"))
         programs.append(program)
     gradless = None
     if divergent and not evaluation and rng.random() < 0.08:
         gradless = rng.choice(["constant", "graphless"])
     return programs, gradless
+
+
+def _add_experts(program, rng):
+    """The mixture-of-experts ops, drawn from a stream of their own (the other draws stay as they were)."""
+    if rng.random() < 0.5:
+        chosen = [e for e in range(EXPERTS) if rng.random() < 0.6]
+        rng.shuffle(chosen)
+        program.insert(rng.randrange(len(program) + 1), ("moe", tuple(chosen), rng.random() < 0.15))
+    if rng.random() < 0.1:
+        program.insert(rng.randrange(len(program) + 1), ("expert", rng.randrange(EXPERTS)))
 
 
 def evaluates(seed, step):
