@@ -12,6 +12,8 @@ the end holds the MoE blocks' fetches and none of their experts' (with ``fetch_a
 block larger than ``stage3_max_live_parameters``, or a container every forward runs wholly or not at all, the
 experts keep their own fetches)."""
 
+import collections
+
 import pytest
 import torch
 
@@ -23,16 +25,21 @@ from deepspeed.utils import z3_leaf_module
 from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SEED, assert_lockstep, device, full_params, reference_training,
                                                   zero_config)
-from unit.runtime.zero.moe_scenarios import SwitchMoE, experts_used, moe_batch, moe_model, moe_optimizer
+from unit.runtime.zero.moe_scenarios import SwitchMoE, experts_used, moe_batch, moe_model, moe_optimizer, tiny_switch
 
 STEPS = 7  # votes, replay (experts skipped: the blocks coalesce at its step), votes, then replay as one
+
+
+def _loss(model, batch):
+    """A model's loss on a batch: positional arguments, or keyword arguments of a Hugging Face model."""
+    return model(**batch).loss if isinstance(batch, dict) else model(*batch)
 
 
 def _train(config, model, batch_of, steps=STEPS):
     rank = dist.get_rank()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
     for step in range(steps):
-        engine.backward(engine(*batch_of(rank, step, device())))
+        engine.backward(_loss(engine, batch_of(rank, step, device())))
         engine.step()
         assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
     return engine
@@ -47,10 +54,13 @@ def _scheduled_modules(engine):
     return [names[what] for kind, what in schedule._events if kind == FWD_PRE]
 
 
-def _check_against_reference(engine, config, model_of, batch_of, steps=STEPS):
+def _check_against_reference(engine, config, model_of, batch_of, steps=STEPS, observe=None):
+    """``observe(reference model)`` before it trains (to hook its modules)."""
     ref_model = model_of()
+    if observe is not None:
+        observe(ref_model)
     ref = reference_training(ref_model, moe_optimizer(ref_model), dist.get_world_size(), steps, 1,
-                             lambda r, s, m: ref_model(*batch_of(r, s, "cpu")))
+                             lambda r, s, m: _loss(ref_model, batch_of(r, s, "cpu")))
     assert_lockstep(full_params(engine.module, 3), ref, config, steps)
 
 
@@ -91,6 +101,60 @@ class TestRoutedExpertsFetchedWithTheirBlock(DistributedTest):
         else:  # each expert keeps its own fetch
             assert not any(z3_leaf_module(block) for block in blocks)
             assert [name for name in scheduled if ".experts." in name], scheduled
+
+
+SWITCH_SEED = 1255  # tiny_switch's routing: every expert on both ranks for three steps, then not
+SWITCH_VOCAB = 64
+
+
+def _switch():
+    torch.manual_seed(SWITCH_SEED)
+    return tiny_switch(SWITCH_VOCAB, layers=4, sparse_layers=2)
+
+
+def _switch_batch(rank, step, on):
+    g = torch.Generator().manual_seed(SWITCH_SEED + 1000 * rank + step)
+    return dict(input_ids=torch.randint(2, SWITCH_VOCAB, (2, 16), generator=g).to(on),
+                labels=torch.randint(2, SWITCH_VOCAB, (2, 16), generator=g).to(on))
+
+
+class TestHFSwitchExpertsFetchedWithTheirLayer(DistributedTest):
+    """Hugging Face Switch Transformers (tiny config, random weights, natural routing, nothing declared): once the
+    ranks' routing leaves experts out, each sparse layer's MLP fetches its experts as one module on every rank."""
+    world_size = 2
+    exec_timeout = 120
+
+    def test_lockstep(self):
+        pytest.importorskip("transformers")
+        config = zero_config(3, reduce_bucket_size=4096, stage3_param_persistence_threshold=0)
+        engine = _train(config, _switch(), _switch_batch, steps=6)
+        ran = []  # per forward of the reference, the experts that ran, by sparse layer
+
+        def observe(model):
+            for name, m in model.named_modules():
+                if name.split(".")[-2:-1] == ["experts"]:
+                    layer = name.rsplit(".experts.", 1)[0]
+                    m.register_forward_pre_hook(lambda m, i, layer=layer, name=name: ran[-1][layer].add(name))
+            model.register_forward_pre_hook(lambda m, i: ran.append(collections.defaultdict(set)))
+
+        _check_against_reference(engine, config, _switch, _switch_batch, steps=6, observe=observe)
+        experts = {name: m for name, m in engine.module.named_modules() if name.split(".")[-2:-1] == ["experts"]}
+        layers = {name.rsplit(".experts.", 1)[0] for name in experts}
+        # a layer is fetched as one only if some forward ran its experts in part; not every such layer is: the
+        # ranks watch routing while they replay an agreed schedule, not in a step that votes (the first, and
+        # the one after a layer is coalesced)
+        routed = {layer for forward in ran for layer, names in forward.items() if 0 < len(names) < 4}
+        coalesced = {
+            layer
+            for layer in layers if all(
+                getattr(experts[f"{layer}.experts.{e}"], "ds_coalesced_into", None) is not None
+                for e in ("expert_0", "expert_1", "expert_2", "expert_3"))
+        }
+        assert coalesced and coalesced <= routed, (coalesced, routed)
+        assert all(z3_leaf_module(engine.module.get_submodule(layer)) for layer in coalesced)
+        scheduled = _scheduled_modules(engine)
+        assert not [name for name in scheduled if ".experts." in name and name.split(".experts.")[0] in coalesced]
+        assert [name for name in scheduled if name in coalesced], scheduled
 
 
 class Tower(torch.nn.Module):
