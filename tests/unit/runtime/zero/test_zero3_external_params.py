@@ -131,7 +131,8 @@ class TestWeightHeldWhileOtherRanksFetch(DistributedTest):
     the weights it read as its external parameters. In the next forward rank 0's model fetches them while
     voting: ``second``'s weight is still gathered, ``other``'s is not, and while rank 0 waits for its vote it
     takes part in rank 1's fetch of ``second``, which released that weight (no running module held it).
-    Rank 0's fetch then gathered it alone (a hang). The fetch now holds what it found gathered."""
+    Rank 0's fetch then gathered it alone (a hang). A rank taking part in another's fetch now leaves what it
+    held gathered."""
     world_size = 2
     exec_timeout = 60
 
