@@ -140,9 +140,6 @@ class TestHFSwitchExpertsFetchedWithTheirLayer(DistributedTest):
         _check_against_reference(engine, config, _switch, _switch_batch, steps=6, observe=observe)
         experts = {name: m for name, m in engine.module.named_modules() if name.split(".")[-2:-1] == ["experts"]}
         layers = {name.rsplit(".experts.", 1)[0] for name in experts}
-        # a layer is fetched as one only if some forward ran its experts in part; not every such layer is: the
-        # ranks watch routing while they replay an agreed schedule, not in a step that votes (the first, and
-        # the one after a layer is coalesced)
         routed = {layer for forward in ran for layer, names in forward.items() if 0 < len(names) < 4}
         coalesced = {
             layer
@@ -150,11 +147,77 @@ class TestHFSwitchExpertsFetchedWithTheirLayer(DistributedTest):
                 getattr(experts[f"{layer}.experts.{e}"], "ds_coalesced_into", None) is not None
                 for e in ("expert_0", "expert_1", "expert_2", "expert_3"))
         }
-        assert coalesced and coalesced <= routed, (coalesced, routed)
+        # the first step's forwards run every expert: what a forward skipped is known only from what ran before
+        assert not [layer for forward in ran[:self.world_size]
+                    for layer, names in forward.items() if len(names) < 4], ran[:self.world_size]
+        # every layer a forward ran in part is fetched as one, whether that step replayed a schedule or voted
+        assert coalesced == routed, (coalesced, routed)
         assert all(z3_leaf_module(engine.module.get_submodule(layer)) for layer in coalesced)
         scheduled = _scheduled_modules(engine)
         assert not [name for name in scheduled if ".experts." in name and name.split(".experts.")[0] in coalesced]
         assert [name for name in scheduled if name in coalesced], scheduled
+
+
+class Picked(torch.nn.Module):
+    """A block whose experts (a ModuleList) run as the batch picks them."""
+
+    def __init__(self, hidden, experts=3):
+        super().__init__()
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, h, picked):
+        h = torch.tanh(self.mix(h))
+        return h + sum(torch.tanh(self.experts[e](h)) for e in picked)
+
+
+class PickedModel(torch.nn.Module):
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.embed = torch.nn.Linear(hidden, hidden)
+        self.blocks = torch.nn.ModuleList(Picked(hidden) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, 1)
+
+    def forward(self, x, picks):
+        h = self.embed(x)
+        for block, picked in zip(self.blocks, picks):
+            h = block(h, picked)
+        return self.head(h).pow(2).mean()
+
+
+def _picked_model():
+    torch.manual_seed(SEED)
+    return PickedModel()
+
+
+EVERY = (0, 1, 2)
+# (step, rank) -> the experts each block runs (every one elsewhere): block 0 in part on rank 0 in step 1 (the
+# ranks replay the schedule of step 0), block 1 in part on rank 1 in step 2 only (the step that votes after
+# block 0 was coalesced)
+PICKS = {(1, 0): ((0, ), EVERY), (2, 1): (EVERY, (1, 2))}
+
+
+def _picked_batch(rank, step, on):
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    return torch.randn(3, 8, generator=g).to(on), PICKS.get((step, rank), (EVERY, EVERY))
+
+
+class TestRoutedOnlyWhileVotingCoalesces(DistributedTest):
+    """A block whose experts a rank ran in part only in a step that votes (after another block was coalesced,
+    every other step running them all) is fetched as one from the step after it too."""
+    world_size = 2
+    exec_timeout = 120
+
+    def test_lockstep(self):
+        config = zero_config(3, stage3_param_persistence_threshold=0)
+        engine = _train(config, _picked_model(), _picked_batch, steps=6)
+        _check_against_reference(engine, config, _picked_model, _picked_batch, steps=6)
+        coalesced = [i for i, block in enumerate(engine.module.blocks) if z3_leaf_module(block)]
+        assert coalesced == [0, 1], f"blocks fetched as one: {coalesced}"
+        scheduled = _scheduled_modules(engine)
+        assert not [name for name in scheduled if ".experts." in name], scheduled
+        assert [name for name in scheduled if name.startswith("blocks.")] == ["blocks.0", "blocks.1"], scheduled
 
 
 class Tower(torch.nn.Module):
@@ -233,6 +296,28 @@ def test_a_forward_that_runs_part_of_a_container_marks_its_host():
         assert schedule.take_routed_hosts() == marked, order
         assert schedule.take_routed_hosts() == []  # taken once per step
         assert rank.log == fakes.uniform_log(), "a rank that skips modules issues the same collectives"
+
+
+def test_a_forward_that_votes_marks_the_host_of_a_container_it_ran_in_part():
+    """While the ranks vote (no schedule replayed), a forward that runs a container's children in part marks its
+    host where a child it skipped ran here before or is in the last agreed schedule; nothing is known skipped in
+    the first forward, and a container skipped wholly is not marked."""
+    from deepspeed.runtime.zero.fetch_schedule import FetchSchedule
+    from unit.runtime.zero import lockstep_fakes as fakes
+    for first, order, marked in (([0, 1, 2, 3], [0, 1, 3], [9]), (None, [0, 2, 3], [9]), (None, [0, 3], []),
+                                 ([], [0, 1, 3], []), ([0, 1, 3], [0, 2, 3], [9])):
+        if first is None:  # the ranks replayed a schedule with both children, then switched to votes
+            schedule, rank = fakes.agreed()
+            schedule.drop()
+        else:
+            rank = fakes.Rank(fakes.BUCKETS)
+            schedule = FetchSchedule(rank, rank, fakes.MODULES)
+        schedule.watch_routing({1: (9, 0), 2: (9, 0)}, {(9, 0): [1, 2]})
+        if first:
+            fakes.micro_step(schedule, rank, first)
+            assert schedule.take_routed_hosts() == [], first
+        fakes.micro_step(schedule, rank, order)
+        assert schedule.take_routed_hosts() == marked, (first, order)
 
 
 def test_a_routed_container_on_one_rank_coalesces_on_every_rank(ranks):
