@@ -196,14 +196,15 @@ def commit_tests(pr, prs, tree, author, folder):
     return export_last_commit(tree, len(pr["patches"]) + 1, folder, env)
 
 
-DOCS_TARGET = re.compile(r"<!-- into (\S+), (before|after): (.+?) -->\n")
+DOCS_TARGET = re.compile(r"<!-- into (\S+), (before|after|replace): (.+?) -->\n")
 SECTION_STARTS = ("***", "<i>**", "### ", "#### ")  # where a key's block, or a section, of config-json.md ends
 
 
 def insert_fragment(page, fragment):
     """``page`` (an upstream documentation page's text) with ``fragment`` (a docs/upstream/ file) put where its
-    first line says: ``<!-- into PATH, before: LINE -->`` (before the line that starts with LINE) or ``after:
-    LINE`` (after the block that line opens: up to the next key or heading)."""
+    first line says: ``<!-- into PATH, before: LINE -->`` (before the line that starts with LINE), ``after:
+    LINE`` (after the block that line opens: up to the next key or heading) or ``replace: LINE`` (in place of
+    that block: a PR that changes what an earlier PR documented)."""
     match = DOCS_TARGET.match(fragment)
     where, anchor = match.group(2), match.group(3)
     body = fragment[match.end():].strip("\n") + "\n"
@@ -211,9 +212,10 @@ def insert_fragment(page, fragment):
     at = next((i for i, line in enumerate(lines) if line.startswith(anchor)), None)
     if at is None:
         raise patch_queue.ForkError(f"{match.group(1)} has no line starting with {anchor!r}")
+    end = next((i for i in range(at + 1, len(lines)) if lines[i].startswith(SECTION_STARTS)), len(lines))
     if where == "after":
-        at = next((i for i in range(at + 1, len(lines)) if lines[i].startswith(SECTION_STARTS)), len(lines))
-    return "".join(lines[:at]) + body + "\n" + "".join(lines[at:])
+        at = end
+    return "".join(lines[:at]) + body + "\n" + "".join(lines[end if where == "replace" else at:])
 
 
 def docs_pages(pr):

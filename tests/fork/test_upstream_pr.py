@@ -102,6 +102,12 @@ def test_doc_fragments_go_where_their_first_line_says():
     assert out.index("***stage***") < out.index("| 0-3 |") < out.index("***new_key***") < out.index("***other***")
     assert out.index("| x | y |") < out.index("### New section") < out.index("### Compression")
     assert "<!--" not in out
+    # a later PR's fragment in place of the block an earlier one added
+    replace = "<!-- into docs/_pages/config-json.md, replace: ***new_key*** -->\n\n***new_key***: [string]\n\n| c | d |\n"
+    changed = upstream_pr.insert_fragment(out, replace)
+    assert "| a | b |" not in changed and "[boolean]\n\n| a" not in changed
+    assert changed.index("| 0-3 |") < changed.index("***new_key***: [string]") < changed.index("| c | d |")
+    assert changed.index("| c | d |") < changed.index("***other***") and changed.count("***new_key***") == 1
     with pytest.raises(patch_queue.ForkError, match="no line starting with"):
         upstream_pr.insert_fragment(page, "<!-- into p.md, before: ### Missing -->\nx\n")
     # every fragment a PR lists says where it goes
