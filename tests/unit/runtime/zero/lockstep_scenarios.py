@@ -250,6 +250,28 @@ def reference_training(model, optimizer, world_size, steps, gradient_accumulatio
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def train_against_reference(model_of, optimizer_of, inputs, config, steps, after_step=None):
+    """Train ``model_of()`` with DeepSpeed under ``config`` for ``steps`` steps of one micro-step, this rank on
+    ``inputs(rank, step)`` (its forward's arguments, on the CPU; the forward returns the loss), and another
+    ``model_of()`` in plain PyTorch on every rank's inputs (``reference_training``): the parameters agree
+    (``assert_lockstep``). ``after_step(engine, step)`` runs after each optimizer step. Returns the engine."""
+    rank = dist.get_rank()
+    model = model_of()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_of(model), config=config)
+    for step in range(steps):
+        args = [a.to(device()) if torch.is_tensor(a) else a for a in inputs(rank, step)]
+        engine.backward(engine(*args))
+        engine.step()
+        if after_step is not None:
+            after_step(engine, step)
+    mine = full_params(engine.module, config["zero_optimization"]["stage"])
+    ref_model = model_of()
+    ref = reference_training(ref_model, optimizer_of(ref_model), dist.get_world_size(), steps, 1,
+                             lambda r, s, m: ref_model(*inputs(r, s)))
+    assert_lockstep(mine, ref, config, steps)
+    return engine
+
+
 def check_lockstep(scenario_name, config, steps, backward="engine", checkpoint=False, atol=1e-6, rtol=1e-5):
     """Train with DeepSpeed on every rank and check both oracles; every rank raises together.
 

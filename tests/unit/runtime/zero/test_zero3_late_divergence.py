@@ -27,7 +27,8 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from unit.common import DistributedTest
 from unit.runtime.zero.lockstep_scenarios import (SEED, Scenario, agree_on_every_rank, assert_lockstep, batch, device,
                                                   full_params, make_engine, make_model, make_optimizer,
-                                                  reference_training, train_deepspeed, train_reference, zero_config)
+                                                  reference_training, train_against_reference, train_deepspeed,
+                                                  train_reference, zero_config)
 from unit.runtime.zero.moe_scenarios import check_evaluation, experts_used, moe_batch, moe_model, moe_optimizer
 
 STEPS = 4
@@ -93,6 +94,16 @@ class TestModulesDifferAfterUniformStep(DistributedTest):
         ref = train_reference(scenario, dist.get_world_size(), STEPS, config["gradient_accumulation_steps"])
         assert_lockstep(mine, ref, config, STEPS)
         _assert_replayed(engines[0], leaves=usage in LEAVES)
+
+
+def _seeded(model_class):
+    """A function that builds ``model_class()`` from the same seed each time."""
+
+    def model_of():
+        torch.manual_seed(SEED)
+        return model_class()
+
+    return model_of
 
 
 def _assert_replayed(engine, leaves):
@@ -243,25 +254,17 @@ class TestMoERoutingDiffersAfterUniformStep(DistributedTest):
     exec_timeout = 90
 
     def test_lockstep(self):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
         data = lambda r, s: moe_batch(0 if s == 0 else r, s)
-        config = _config(**SHORT_PREFETCH)
-        model = moe_model()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=moe_optimizer(model), config=config)
-        for step in range(STEPS):
-            engine.backward(engine(data(rank, step).to(device())))
-            engine.step()
-            assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
-        mine = full_params(engine.module, 3)
-
-        ref_model = moe_model()
-        ref = reference_training(ref_model, moe_optimizer(ref_model), world_size, STEPS, 1,
-                                 lambda r, s, m: ref_model(data(r, s)))
         check = moe_model()
         agree_on_every_rank(
             any(experts_used(check, data(0, s)) != experts_used(check, data(1, s)) for s in range(1, STEPS)),
             "after step 0 the batches should route tokens to different experts on different ranks")
-        assert_lockstep(mine, ref, config, STEPS)
+
+        def partitioned_at_rest(engine, step):
+            assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+
+        train_against_reference(moe_model, moe_optimizer, lambda r, s: (data(r, s), ), _config(**SHORT_PREFETCH),
+                                STEPS, partitioned_at_rest)
 
 
 class TestEvaluateAfterUniformTraining(DistributedTest):
@@ -379,26 +382,8 @@ class TestParameterUsedOnSomeRanksAfterUniformStep(DistributedTest):
     exec_timeout = 60
 
     def test_lockstep(self):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        gated = lambda r, s: r == 0 or s == 0
-        data = lambda r, s: moe_batch(r, s)
-        config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
-
-        def model_and_optimizer():
-            torch.manual_seed(SEED)
-            model = GatedModel()
-            return model, moe_optimizer(model)
-
-        model, optimizer = model_and_optimizer()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        for step in range(STEPS):
-            engine.backward(engine(data(rank, step).to(device()), gated(rank, step)))
-            engine.step()
-        mine = full_params(engine.module, 3)
-        ref_model, ref_optimizer = model_and_optimizer()
-        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
-                                 lambda r, s, m: ref_model(data(r, s), gated(r, s)))
-        assert_lockstep(mine, ref, config, STEPS)
+        train_against_reference(_seeded(GatedModel), moe_optimizer, lambda r, s: (moe_batch(r, s), r == 0 or s == 0),
+                                _config(reduce_bucket_size=100, **SHORT_PREFETCH), STEPS)
 
 
 class SharedWeightModel(torch.nn.Module):
@@ -430,26 +415,9 @@ class TestGradientArrivesLaterThanAgreed(DistributedTest):
     exec_timeout = 60
 
     def test_lockstep(self, prefetch):
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        early = lambda r, s: r == 1 and s > 0
-        data = lambda r, s: moe_batch(r, s)
-        config = _config(reduce_bucket_size=100, stage3_prefetch_bucket_size=prefetch)
-
-        def model_and_optimizer():
-            torch.manual_seed(SEED)
-            model = SharedWeightModel()
-            return model, moe_optimizer(model)
-
-        model, optimizer = model_and_optimizer()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        for step in range(STEPS):
-            engine.backward(engine(data(rank, step).to(device()), early(rank, step)))
-            engine.step()
-        mine = full_params(engine.module, 3)
-        ref_model, ref_optimizer = model_and_optimizer()
-        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
-                                 lambda r, s, m: ref_model(data(r, s), early(r, s)))
-        assert_lockstep(mine, ref, config, STEPS)
+        engine = train_against_reference(_seeded(SharedWeightModel), moe_optimizer, lambda r, s:
+                                         (moe_batch(r, s), r == 1 and s > 0),
+                                         _config(reduce_bucket_size=100, stage3_prefetch_bucket_size=prefetch), STEPS)
         _assert_replayed(engine, leaves=True)
 
 
@@ -482,33 +450,19 @@ class TestImagesAlternateAcrossRanks(DistributedTest):
         polls = []
         real_poll = FetchBallot._poll
         monkeypatch.setattr(FetchBallot, "_poll", lambda ballot, key: polls.append(key) or real_poll(ballot, key))
-        rank, world_size = dist.get_rank(), dist.get_world_size()
 
         def data(r, s):
             g = torch.Generator().manual_seed(SEED + 1000 * r + s)
             x, image = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
             return x, (image if (r + s) % 2 == 0 else None)
 
-        def model_and_optimizer():
-            torch.manual_seed(SEED)
-            model = ProjectedInput()
-            return model, moe_optimizer(model)
-
-        config = _config(reduce_bucket_size=100, **SHORT_PREFETCH)
-        model, optimizer = model_and_optimizer()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         counts = []
-        for step in range(STEPS):
-            polls.clear()
-            x, image = data(rank, step)
-            engine.backward(engine(x.to(device()), image.to(device()) if image is not None else None))
-            engine.step()
-            counts.append(len(polls))
-        mine = full_params(engine.module, 3)
-        ref_model, ref_optimizer = model_and_optimizer()
-        ref = reference_training(ref_model, ref_optimizer, world_size, STEPS, 1,
-                                 lambda r, s, m: ref_model(*data(r, s)))
-        assert_lockstep(mine, ref, config, STEPS)
+
+        def count_polls(engine, step):
+            counts.append(len(polls) - sum(counts))
+
+        engine = train_against_reference(_seeded(ProjectedInput), moe_optimizer, data,
+                                         _config(reduce_bucket_size=100, **SHORT_PREFETCH), STEPS, count_polls)
         schedule = engine.optimizer.parameter_offload.get_param_coordinator().fetch_schedule
         assert counts[0] > 0 and counts[1:] == [0] * (STEPS - 1) and schedule.switches == 0, (counts,
                                                                                               schedule.switches)
