@@ -29,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 import torch
@@ -381,6 +382,32 @@ def test_distributed_c10d_names_are_logged(monkeypatch):
         reporter.stop()
     assert distributed_c10d.broadcast is torch_broadcast and calls == [[2]]
     assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[2],
+                                                                                                   "torch.float32"]])]
+
+
+def test_a_collective_imported_by_name_is_logged(monkeypatch):
+    """A module that imported torch's collective by name before the log started (``from ... import broadcast``)
+    calls the logged one while the log runs, and its own again after ``stop``."""
+    from torch import distributed as torch_dist
+    calls = []
+
+    def torch_broadcast(tensor, src=0, group=None, async_op=False):  # torch's, without a process group
+        calls.append(list(tensor.shape))
+
+    monkeypatch.setattr(torch_dist, "broadcast", torch_broadcast)
+    monkeypatch.setattr(torch_dist.distributed_c10d, "broadcast", torch_broadcast)
+    model_module = types.ModuleType("a_model_module")
+    model_module.broadcast = torch_dist.broadcast  # imported by name, before the log starts
+    monkeypatch.setitem(sys.modules, model_module.__name__, model_module)
+    reporter = hang_report.HangReporter()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
+    reporter.log_torch_collectives()
+    try:
+        model_module.broadcast(torch.ones(3), src=0)
+    finally:
+        reporter.stop()
+    assert model_module.broadcast is torch_broadcast and calls == [[3]]
+    assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[3],
                                                                                                    "torch.float32"]])]
 
 

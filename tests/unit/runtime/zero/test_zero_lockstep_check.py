@@ -7,8 +7,8 @@ collectives since the last optimizer step are compared at the step, on the step 
 
 - A model that issues its own all-reduce from one place on ranks 0 and 1 and from another place on ranks
   2 and 3 (the same size: nothing hangs, and the sums silently mix two quantities), through
-  ``deepspeed.comm`` or torch's own ``all_reduce``: at that step every rank raises the same error naming
-  both places and the ranks on each side.
+  ``deepspeed.comm`` or torch's own ``all_reduce`` (also through a name bound before the check started): at
+  that step every rank raises the same error naming both places and the ranks on each side.
 - The check on some ranks only (it widens the step agreement, so the ranks' step collectives would differ):
   every rank raises the same error at initialize.
 - Uniform usage under ZeRO-1/2/3, the check on: no error, and the parameters equal the plain-PyTorch
@@ -21,6 +21,7 @@ collectives since the last optimizer step are compared at the step, on the step 
 
 import contextlib
 import os
+import types
 
 import pytest
 import torch
@@ -35,6 +36,16 @@ from unit.runtime.zero.lockstep_scenarios import (SCENARIOS, assert_lockstep, ba
                                                   train_reference, zero_config)
 
 STEPS = 3
+
+# bound by name at import, before the check starts, as a model module's ``from ... import all_reduce`` binds it
+all_reduce_imported_by_name = torch_dist.all_reduce
+
+
+def the_model_s_collectives(via):
+    """Where the model's own all-reduce comes from; read when it is called, as a module's global name is."""
+    if via == "imported by name":
+        return types.SimpleNamespace(all_reduce=all_reduce_imported_by_name)
+    return dist if via == "deepspeed.comm" else torch_dist
 
 
 @contextlib.contextmanager
@@ -69,9 +80,9 @@ class TestModelCollectivesDiffer(DistributedTest):
 
     @pytest.mark.parametrize("stage, turned_on_by, via", [(2, "environment", "deepspeed.comm"),
                                                           (3, "config", "deepspeed.comm"), (2, "config", "torch"),
-                                                          (3, "environment", "torch")])
+                                                          (3, "environment", "torch"),
+                                                          (2, "environment", "imported by name")])
     def test_every_rank_raises_naming_both_places(self, stage, turned_on_by, via):
-        comm = dist if via == "deepspeed.comm" else torch_dist
         scenario = SCENARIOS["uniform"]
         rank = dist.get_rank()
         config = zero_config(stage)
@@ -83,7 +94,7 @@ class TestModelCollectivesDiffer(DistributedTest):
                 x, image, route = batch(scenario, rank, step, 0, device=device())
                 loss = engine(x, image, route)
                 if step == 1:
-                    (log_the_loss if rank < 2 else sum_a_metric)(loss, comm)
+                    (log_the_loss if rank < 2 else sum_a_metric)(loss, the_model_s_collectives(via))
                 engine.backward(loss)
                 if step == 0:
                     engine.step()
