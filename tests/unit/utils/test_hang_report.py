@@ -29,7 +29,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
+import types  # fork-only
 
 import pytest
 import torch
