@@ -362,52 +362,33 @@ def test_torch_collectives_are_logged_once(monkeypatch):
     assert log[0]["by_model"] and log[0]["model_at"] == log[0]["issued_at"]
 
 
-def test_distributed_c10d_names_are_logged(monkeypatch):
-    """A collective called by its name in torch's ``distributed_c10d`` module (where torch defines it) is logged
-    too, and put back by ``stop``."""
-    from torch import distributed as torch_dist
-    distributed_c10d = torch_dist.distributed_c10d
-    calls = []
-
-    def torch_broadcast(tensor, src=0, group=None, async_op=False):  # torch's, without a process group
-        calls.append(list(tensor.shape))
-
-    monkeypatch.setattr(distributed_c10d, "broadcast", torch_broadcast)
-    reporter = hang_report.HangReporter()
-    monkeypatch.setattr(hang_report, "_reporter", reporter)
-    reporter.log_torch_collectives()
-    try:
-        distributed_c10d.broadcast(torch.ones(2), src=0)
-    finally:
-        reporter.stop()
-    assert distributed_c10d.broadcast is torch_broadcast and calls == [[2]]
-    assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[2],
-                                                                                                   "torch.float32"]])]
-
-
-def test_a_collective_imported_by_name_is_logged(monkeypatch):
-    """A module that imported torch's collective by name before the log started (``from ... import broadcast``)
-    calls the logged one while the log runs, and its own again after ``stop``."""
+@pytest.mark.parametrize("called_as", ["distributed_c10d", "imported by name"])
+def test_torch_collectives_by_other_names_are_logged(monkeypatch, called_as):
+    """A collective called by its name in torch's ``distributed_c10d`` module (where torch defines it), or through
+    a name a module bound before the log started (``from ... import broadcast``), is logged too, and put back by
+    ``stop``."""
     from torch import distributed as torch_dist
     calls = []
 
     def torch_broadcast(tensor, src=0, group=None, async_op=False):  # torch's, without a process group
         calls.append(list(tensor.shape))
 
-    monkeypatch.setattr(torch_dist, "broadcast", torch_broadcast)
     monkeypatch.setattr(torch_dist.distributed_c10d, "broadcast", torch_broadcast)
-    model_module = types.ModuleType("a_model_module")
-    model_module.broadcast = torch_dist.broadcast  # imported by name, before the log starts
-    monkeypatch.setitem(sys.modules, model_module.__name__, model_module)
+    caller = torch_dist.distributed_c10d
+    if called_as == "imported by name":
+        monkeypatch.setattr(torch_dist, "broadcast", torch_broadcast)
+        caller = types.ModuleType("a_model_module")
+        caller.broadcast = torch_dist.broadcast  # bound before the log starts
+        monkeypatch.setitem(sys.modules, caller.__name__, caller)
     reporter = hang_report.HangReporter()
     monkeypatch.setattr(hang_report, "_reporter", reporter)
     reporter.log_torch_collectives()
     try:
-        model_module.broadcast(torch.ones(3), src=0)
+        caller.broadcast(torch.ones(2), src=0)
     finally:
         reporter.stop()
-    assert model_module.broadcast is torch_broadcast and calls == [[3]]
-    assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[3],
+    assert caller.broadcast is torch_broadcast and calls == [[2]]
+    assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[2],
                                                                                                    "torch.float32"]])]
 
 
