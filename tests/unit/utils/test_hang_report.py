@@ -20,6 +20,7 @@ The ranks are plain processes (not the harness's ``DistributedTest``: the hang i
 their process group when the reports are in, or at the deadline."""
 
 import glob
+import importlib  # fork-only
 import json
 import os
 import shutil
@@ -390,6 +391,32 @@ def test_torch_collectives_by_other_names_are_logged(monkeypatch, called_as):
     assert caller.broadcast is torch_broadcast and calls == [[2]]
     assert [(e["op"], e["via"], e["tensors"]) for e in reporter._log] == [("broadcast", "torch", [[[2],
                                                                                                    "torch.float32"]])]
+
+
+def test_functional_collectives_are_logged(monkeypatch):
+    """A functional collective (torch's ``_functional_collectives``, what ``torch.compile`` traces) called in eager
+    mode is logged with its group's ranks, and put back by ``stop``."""
+    from torch import distributed as torch_dist
+    functional = importlib.import_module(f"{torch_dist.__name__}._functional_collectives")
+    calls = []
+
+    def torch_all_reduce(self, reduceOp, group, tag=""):  # torch's, without a process group
+        calls.append(list(self.shape))
+        return self
+
+    monkeypatch.setattr(functional, "all_reduce", torch_all_reduce)
+    reporter = hang_report.HangReporter()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
+    reporter.log_torch_collectives()
+    try:
+        functional.all_reduce(torch.ones(2), "sum", [0, 1])
+        functional.all_reduce(torch.ones(3), "sum", group=[2, 3])
+    finally:
+        reporter.stop()
+    assert functional.all_reduce is torch_all_reduce and calls == [[2], [3]]
+    assert [(e["op"], e["via"], e["tensors"], e["group"])
+            for e in reporter._log] == [("all_reduce", "torch", [[[2], "torch.float32"]], [0, 1]),
+                                        ("all_reduce", "torch", [[[3], "torch.float32"]], [2, 3])]
 
 
 def test_step_fingerprint_digest():

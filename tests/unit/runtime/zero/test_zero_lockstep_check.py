@@ -7,8 +7,8 @@ collectives since the last optimizer step are compared at the step, on the step 
 
 - A model that issues its own all-reduce from one place on ranks 0 and 1 and from another place on ranks
   2 and 3 (the same size: nothing hangs, and the sums silently mix two quantities), through
-  ``deepspeed.comm`` or torch's own ``all_reduce`` (also through a name bound before the check started): at
-  that step every rank raises the same error naming both places and the ranks on each side.
+  ``deepspeed.comm`` or torch's own ``all_reduce`` (also through a name bound before the check started, or
+  torch's functional collective): at that step every rank raises the same error naming both places and the ranks on each side.
 - The check on some ranks only (it widens the step agreement, so the ranks' step collectives would differ):
   every rank raises the same error at initialize.
 - Uniform usage under ZeRO-1/2/3, the check on: no error, and the parameters equal the plain-PyTorch
@@ -20,6 +20,8 @@ collectives since the last optimizer step are compared at the step, on the step 
   error."""
 
 import contextlib
+import functools
+import importlib
 import os
 import types
 
@@ -45,6 +47,10 @@ def the_model_s_collectives(via):
     """Where the model's own all-reduce comes from; read when it is called, as a module's global name is."""
     if via == "imported by name":
         return types.SimpleNamespace(all_reduce=all_reduce_imported_by_name)
+    if via == "functional":  # torch's functional collective (what torch.compile traces), in eager mode
+        functional = importlib.import_module(f"{torch_dist.__name__}._functional_collectives")
+        return types.SimpleNamespace(
+            all_reduce=functools.partial(functional.all_reduce, reduceOp="sum", group=torch_dist.group.WORLD))
     return dist if via == "deepspeed.comm" else torch_dist
 
 
@@ -81,7 +87,8 @@ class TestModelCollectivesDiffer(DistributedTest):
     @pytest.mark.parametrize("stage, turned_on_by, via", [(2, "environment", "deepspeed.comm"),
                                                           (3, "config", "deepspeed.comm"), (2, "config", "torch"),
                                                           (3, "environment", "torch"),
-                                                          (2, "environment", "imported by name")])
+                                                          (2, "environment", "imported by name"),
+                                                          (3, "config", "functional")])
     def test_every_rank_raises_naming_both_places(self, stage, turned_on_by, via):
         scenario = SCENARIOS["uniform"]
         rank = dist.get_rank()
