@@ -419,6 +419,31 @@ def test_functional_collectives_are_logged(monkeypatch):
                                         ("all_reduce", "torch", [[[3], "torch.float32"]], [2, 3])]
 
 
+def test_torch_compile_graphs_stay_whole(monkeypatch, tmp_path):
+    """While the log runs, a function ``torch.compile`` traces that calls a functional collective keeps one graph:
+    the log's wrapper steps aside while the compiler traces (the collective goes into the graph, not the log);
+    called eagerly, the same function's collective is logged."""
+    from torch import distributed as torch_dist
+    functional = importlib.import_module(f"{torch_dist.__name__}._functional_collectives")
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    reporter = hang_report.HangReporter()
+    monkeypatch.setattr(hang_report, "_reporter", reporter)
+
+    def f(t):
+        return functional.all_reduce(t * 2, "sum", torch_dist.group.WORLD) + 1
+
+    try:
+        reporter.log_torch_collectives()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(f)(torch.ones(3))
+        eager = f(torch.ones(3))
+    finally:
+        reporter.stop()
+        torch_dist.destroy_process_group()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    assert eager.tolist() == [3.0, 3.0, 3.0] and [e["op"] for e in reporter._log] == ["all_reduce"]
+
+
 def test_step_fingerprint_digest():
     """The lockstep check's digest of a step: equal for the same collectives, whatever the step before was,
     different when two collectives swap places or one is missing; the first ``keep`` entries are kept."""
