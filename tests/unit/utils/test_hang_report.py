@@ -442,6 +442,10 @@ def test_torch_compile_graphs_stay_whole(monkeypatch, tmp_path):
         torch_dist.destroy_process_group()
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     assert eager.tolist() == [3.0, 3.0, 3.0] and [e["op"] for e in reporter._log] == ["all_reduce"]
+    # deepspeed.comm's collectives ask ``active`` for the log: none while the compiler traces
+    assert hang_report.active() is reporter
+    monkeypatch.setattr(hang_report, "_compiling", lambda: True)
+    assert hang_report.active() is None
 
 
 def test_step_fingerprint_digest():
